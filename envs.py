@@ -1,0 +1,214 @@
+"""The NetHack tasks of the ONI paper on NLE 1.3, with the paper's 28 "extended" actions.
+
+`make_env(task, seed)` builds one; the same classes are registered with gymnasium under the names
+of the paper's code (`gym.make("NetHackScoreExtendedActions-v1")`). Each step's `info` carries
+`message_count`: how many times the current message has been seen in this episode (the N of ONI's
+1/N^beta), and the final step's `info["episode"]` the episode statistics.
+"""
+import re
+from collections import defaultdict
+
+import gymnasium as gym
+import numpy as np
+from nle import nethack
+from nle.env import base
+from nle.env.tasks import TASK_ACTIONS
+
+# NLE's 23 task actions (MORE, 8 compass, 8 long compass, UP, DOWN, WAIT, KICK, EAT, SEARCH) + 5.
+ACTIONS = tuple(TASK_ACTIONS) + (
+    nethack.Command.CAST, nethack.Command.QUAFF, nethack.Command.PRAY,
+    nethack.Command.PICKUP, nethack.Command.PAY)
+# Only what the policy, the rewards and the statistics read: NLE's default keys cost ~30% speed.
+OBS_KEYS = ("glyphs", "chars", "colors", "blstats", "message")
+MESSAGE_LEN = 256
+DEFAULT_CHARACTER = "mon-hum-neu-mal"
+MAX_EPISODE_STEPS = 5000
+SUCCESS_REWARD = 50.0
+FROZEN_TIME_PENALTY = -0.01
+
+# At "What do you want to eat/drink? [fgh or ?*]" this action picks the first offered letter, as in
+# the reference; it is the NW move, whose key 'y' also answers yes to "eat it? [ynq]".
+CONFIRM_ACTION = ACTIONS.index(nethack.CompassDirection.NW)
+ITEM_PROMPT = re.compile(rb"What do you want to (?:eat|drink)\? \[([a-zA-Z])")
+# Yes/no questions the agent answers itself; every other one is declined with ESC.
+AGENT_QUESTIONS = (b"eat", b"drink", b"attack", b"direction?", b"pray")
+DESCEND_MESSAGE = b"You descend the stairs."
+SKILL_MESSAGE = b"You feel more confident in"
+KILL_MESSAGE = re.compile(rb"You (?:kill|destroy) ")
+ESC, SPACE = 27, ord(" ")
+STONE_GLYPH = nethack.GLYPH_CMAP_OFF  # unexplored cells show the "dark part of a room"/stone glyph
+
+# goal: "score" (score delta with a frozen-time penalty), ("depth", n) or "oracle" (+50 and end).
+TASKS = {
+    "NetHackScoreExtendedActions-v1": "score",
+    "NetHackStaircaseExtendedActions-v1": ("depth", 2),
+    "NetHackStaircaseLvl3ExtendedActions-v1": ("depth", 3),
+    "NetHackStaircaseLvl4ExtendedActions-v1": ("depth", 4),
+    "NetHackOracleExtendedActions-v1": "oracle",
+}
+BL = nethack  # blstats indices: NLE_BL_X, NLE_BL_SCORE, NLE_BL_DEPTH, ...
+
+
+def message_bytes(message: np.ndarray) -> bytes:
+    """The message line as bytes without its zero padding."""
+    raw = message.tobytes()
+    end = raw.find(b"\0")
+    return raw if end < 0 else raw[:end]
+
+
+def _oracle_glyph() -> int:
+    for glyph in range(nethack.GLYPH_MON_OFF, nethack.GLYPH_PET_OFF):
+        if nethack.permonst(nethack.glyph_to_mon(glyph)).mname == "Oracle":
+            return glyph
+    raise RuntimeError("NLE has no Oracle monster glyph")
+
+
+class NetHackTask(base.NLE):
+    """One of the paper's tasks. Steps NetHack directly (not through NLE's `step`) to copy only the
+    bottom-line stats each step and to add the extended-action behaviour."""
+
+    def __init__(self, task: str, seed: int | None = None, character: str = DEFAULT_CHARACTER,
+                 max_episode_steps: int = MAX_EPISODE_STEPS, **nle_kwargs):
+        if task not in TASKS:
+            raise ValueError(f"unknown task {task!r}; known tasks: {', '.join(TASKS)}")
+        super().__init__(character=character, max_episode_steps=max_episode_steps,
+                         observation_keys=OBS_KEYS, actions=ACTIONS, **nle_kwargs)
+        self.task, self.goal = task, TASKS[task]
+        self.oracle_glyph = _oracle_glyph() if self.goal == "oracle" else None
+        self._seeds = np.random.default_rng(seed) if seed is not None else None
+        self._keys = np.array([int(a) for a in ACTIONS])
+        self._obs_index = [self._observation_keys.index(k) for k in OBS_KEYS]
+
+    # -- gymnasium API -------------------------------------------------------------------------
+    def reset(self, seed=None, options=None):
+        if seed is not None:
+            self._seeds = np.random.default_rng(seed)
+        if self._seeds is not None:  # every episode gets its own game seeds from the env's stream
+            core, disp = (int(s) for s in self._seeds.integers(1, 2**62, size=2))
+            super().seed(core, disp, reseed=False)
+        obs, _ = super().reset(options=options)
+        self._item_key = None
+        self._message_counts = defaultdict(int)
+        self._kills, self._return, self._max_depth = 0, 0.0, 1
+        self._explored = {}
+        return obs, {"message_count": self._count_message(self.last_observation)}
+
+    def step(self, action: int):
+        previous = self.last_observation[self._blstats_index].copy()
+        observation, done = self._send_action(int(action))
+        self._steps += 1
+        self.last_observation = observation
+        blstats = observation[self._blstats_index]
+        in_game = bool(blstats.any())  # NLE zeroes the stats once the game is over
+        stats = blstats if in_game else previous
+        self._max_depth = max(self._max_depth, int(stats[BL.NLE_BL_DEPTH]))
+
+        success = not done and bool(self._succeeded(observation))
+        if self.goal == "score":
+            reward = float(stats[BL.NLE_BL_SCORE] - previous[BL.NLE_BL_SCORE])
+            if blstats[BL.NLE_BL_TIME] == previous[BL.NLE_BL_TIME]:
+                reward += FROZEN_TIME_PENALTY
+        else:
+            reward = SUCCESS_REWARD if success else 0.0
+        self._return += reward
+        truncated = not done and not success and self._steps >= self._max_episode_steps
+        info = {"message_count": self._count_message(observation)}
+        obs = self._get_observation(observation)
+        if done or success or truncated:
+            info["episode"] = self._episode_stats(stats, success)
+        if (success or truncated) and not done:
+            # NLE refills its arrays in place: keep the last real observation (a truncated
+            # episode bootstraps from it), then end the game cleanly.
+            obs = {k: v.copy() for k, v in obs.items()}
+            self._quit_game(observation, done)
+        return obs, reward, done or success, truncated, info
+
+    def _get_observation(self, observation):
+        return {k: observation[i] for k, i in zip(OBS_KEYS, self._obs_index)}
+
+    # -- extended actions ----------------------------------------------------------------------
+    def _send_action(self, action: int):
+        key = self._keys[action]
+        if self._item_key is not None:  # we stopped at "What do you want to eat/drink?"
+            key = self._item_key if action == CONFIRM_ACTION else SPACE
+            self._item_key = None
+        observation, done = self.nethack.step(key)
+        if key == nethack.Command.CAST and not done and not observation[self._message_index].any():
+            observation, done = self.nethack.step(ord("a"))  # the spell menu is up: first spell
+        observation, done = self._answer_prompts(observation, done)
+        if not done and SKILL_MESSAGE in message_bytes(observation[self._message_index]):
+            observation, done = self.nethack.step(nethack.Command.ENHANCE)
+            if not done:
+                observation, done = self.nethack.step(ord("a"))  # advance the first skill offered
+            observation, done = self._answer_prompts(observation, done)
+        return observation, done
+
+    def _answer_prompts(self, observation, done):
+        """Skip --More-- (keeping the stairs message), ESC text prompts and y/n questions except the
+        agent's own; note the first item letter of an eat/drink prompt."""
+        kept_message = None
+        while not done:
+            internal, message = observation[self._internal_index], observation[self._message_index]
+            if internal[3]:  # xwaitforspace: --More--
+                if DESCEND_MESSAGE in message_bytes(message):
+                    kept_message = message.copy()
+                observation, done = self.nethack.step(SPACE)
+            elif internal[2]:  # getlin: a line of text
+                observation, done = self.nethack.step(ESC)
+            elif internal[1]:  # yn_function: a single-character question
+                text = message_bytes(message)
+                if not any(q in text for q in AGENT_QUESTIONS):
+                    observation, done = self.nethack.step(ESC)
+                    continue
+                prompt = ITEM_PROMPT.search(text)
+                self._item_key = ord(prompt.group(1)) if prompt else None
+                break
+            else:
+                break
+        if kept_message is not None and not done:
+            observation[self._message_index][:] = kept_message
+        return observation, done
+
+    # -- task success and statistics -----------------------------------------------------------
+    def _succeeded(self, observation) -> bool:
+        if self.goal == "oracle":
+            glyphs, blstats = observation[self._glyph_index], observation[self._blstats_index]
+            x, y = int(blstats[BL.NLE_BL_X]), int(blstats[BL.NLE_BL_Y])
+            return bool((glyphs[max(y - 1, 0):y + 2, max(x - 1, 0):x + 2] == self.oracle_glyph).any())
+        if isinstance(self.goal, tuple):
+            blstats = observation[self._blstats_index]
+            return (blstats[BL.NLE_BL_DLEVEL] == self.goal[1]
+                    and DESCEND_MESSAGE in message_bytes(observation[self._message_index]))
+        return False
+
+    def _count_message(self, observation) -> int:
+        text = message_bytes(observation[self._message_index])
+        self._message_counts[text] += 1
+        if KILL_MESSAGE.search(text):
+            self._kills += 1
+        blstats = observation[self._blstats_index]
+        level = (int(blstats[BL.NLE_BL_DNUM]), int(blstats[BL.NLE_BL_DLEVEL]))
+        if blstats.any():  # the map of a level only grows; end-of-game screens must not shrink it
+            seen = int(np.count_nonzero(observation[self._glyph_index] != STONE_GLYPH))
+            self._explored[level] = max(seen, self._explored.get(level, 0))
+        return self._message_counts[text]
+
+    def _episode_stats(self, stats, success) -> dict:
+        return {
+            "return": self._return, "steps": self._steps, "success": float(success),
+            "score": int(stats[BL.NLE_BL_SCORE]), "depth": self._max_depth,
+            "dlvl": int(stats[BL.NLE_BL_DEPTH]), "xlvl": int(stats[BL.NLE_BL_XP]),
+            "gold": int(stats[BL.NLE_BL_GOLD]), "kills": self._kills,
+            "explored": sum(self._explored.values()),
+        }
+
+
+def make_env(task: str, seed: int | None = None, **kwargs) -> NetHackTask:
+    """One env of `task`; picklable arguments only, so it works in `spawn`ed workers."""
+    return NetHackTask(task, seed=seed, **kwargs)
+
+
+for _name in TASKS:
+    if _name not in gym.registry:
+        gym.register(id=_name, entry_point="envs:NetHackTask", kwargs={"task": _name},
+                     max_episode_steps=None, disable_env_checker=True, order_enforce=False)

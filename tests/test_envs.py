@@ -1,0 +1,180 @@
+"""The paper's tasks on real NLE: actions, prompts, success conditions, message counts, stats."""
+import multiprocessing as mp
+
+import gymnasium as gym
+import numpy as np
+import pytest
+from nle import nethack
+
+import envs
+
+DOWN = envs.ACTIONS.index(nethack.MiscDirection.DOWN)
+SEARCH = envs.ACTIONS.index(nethack.Command.SEARCH)
+EAT = envs.ACTIONS.index(nethack.Command.EAT)
+
+
+def text(obs):
+    return envs.message_bytes(obs["message"])
+
+
+def raw_keys(env, keys):
+    """Type keys straight into NetHack (wizard-mode set-ups), bypassing the task's action set."""
+    for key in keys:
+        obs, done = env.nethack.step(key)
+        assert not done
+    env.last_observation = obs
+
+
+def descend_stairs(env):
+    """Wizard-map the level, travel to '>' (travel stops at doors, so repeat), then step DOWN."""
+    raw_keys(env, [nethack.C("f")])
+    rng = np.random.default_rng(0)
+    for _ in range(100):
+        raw_keys(env, [ord("_"), ord(">"), ord(".")])
+        env.last_observation, _ = env._answer_prompts(env.last_observation, False)
+        result = env.step(DOWN)
+        if b"can't go down" not in text(result[0]):
+            return result
+        env.step(int(rng.integers(1, 9)))  # a monster may block the path: move or fight it
+    raise AssertionError("could not reach the down staircase")
+
+
+@pytest.mark.parametrize("task", list(envs.TASKS))
+def test_each_task_steps_with_28_actions(task):
+    env = envs.make_env(task, seed=0)
+    assert env.action_space.n == 28 and len(envs.ACTIONS) == 28
+    obs, info = env.reset()
+    assert set(obs) == set(envs.OBS_KEYS) and info["message_count"] == 1
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        obs, reward, term, trunc, info = env.step(int(rng.integers(28)))
+        assert obs["chars"].shape == (21, 79) and obs["message"].shape == (256,)
+        assert info["message_count"] >= 1
+        if term or trunc:
+            assert {"return", "steps", "score", "depth", "xlvl", "gold", "kills", "explored"} <= set(info["episode"])
+            env.reset()
+    env.close()
+
+
+def test_unknown_task_is_a_clear_error():
+    with pytest.raises(ValueError, match="known tasks: NetHackScoreExtendedActions-v1"):
+        envs.make_env("NoSuchTask-v0")
+
+
+def test_gym_registration():
+    env = gym.make("NetHackStaircaseExtendedActions-v1")
+    assert env.unwrapped.goal == ("depth", 2)
+    env.close()
+
+
+@pytest.mark.parametrize("task,depth", [("NetHackStaircaseExtendedActions-v1", 2),
+                                        ("NetHackStaircaseLvl4ExtendedActions-v1", 4)])
+def test_staircase_success_on_a_real_descent(task, depth):
+    env = envs.make_env(task, seed=6, wizard=True)  # a seed whose stairs travel reaches
+    env.reset()
+    for level in range(2, depth + 1):
+        obs, reward, term, trunc, info = descend_stairs(env)
+        # the stairs message survives the automatic --More-- skip
+        assert b"You descend the stairs." in text(obs)
+        assert obs["blstats"][nethack.NLE_BL_DLEVEL] == level
+        if level < depth:
+            assert (reward, term) == (0.0, False)
+    assert (reward, term, trunc) == (envs.SUCCESS_REWARD, True, False)
+    assert info["episode"]["success"] == 1.0 and info["episode"]["depth"] == depth
+    env.close()
+
+
+def test_oracle_success_when_the_oracle_is_adjacent():
+    env = envs.make_env("NetHackOracleExtendedActions-v1", seed=0, wizard=True)
+    env.reset()
+    obs, reward, term, _, _ = env.step(SEARCH)
+    assert (reward, term) == (0.0, False)
+    # wizard mode: create an Oracle, which appears next to the agent and never moves
+    raw_keys(env, [nethack.C("g")] + [ord(c) for c in "Oracle\ry"])  # "force Oracle? y"
+    env.last_observation, _ = env._answer_prompts(env.last_observation, False)
+    glyphs = env.last_observation[env._glyph_index]
+    assert (glyphs == env.oracle_glyph).sum() == 1
+    obs, reward, term, trunc, info = env.step(SEARCH)
+    assert (reward, term, trunc) == (envs.SUCCESS_REWARD, True, False)
+    assert info["episode"]["success"] == 1.0
+    env.close()
+
+
+def test_score_reward_and_frozen_time_penalty():
+    env = envs.make_env("NetHackScoreExtendedActions-v1", seed=0)
+    env.reset()
+    _, reward, _, _, _ = env.step(DOWN)  # "You can't go down here." takes no game time
+    assert reward == pytest.approx(envs.FROZEN_TIME_PENALTY)
+    _, reward, _, _, _ = env.step(SEARCH)  # searching takes a turn and scores nothing
+    assert reward == 0.0
+    env.close()
+
+
+def test_message_counts_count_and_reset():
+    env = envs.make_env("NetHackScoreExtendedActions-v1", seed=0)
+    env.reset()
+    counts = []
+    for _ in range(3):
+        obs, _, _, _, info = env.step(DOWN)
+        assert text(obs) == b"You can't go down here."
+        counts.append(info["message_count"])
+    assert counts == [1, 2, 3]
+    env.reset()
+    _, _, _, _, info = env.step(DOWN)
+    assert info["message_count"] == 1
+    env.close()
+
+
+def test_eat_prompt_confirm_eats_the_first_offered_item():
+    env = envs.make_env("NetHackScoreExtendedActions-v1", seed=0)
+    env.reset()
+    obs, *_ = env.step(EAT)
+    assert text(obs).startswith(b"What do you want to eat? [")
+    turn = obs["blstats"][nethack.NLE_BL_TIME]
+    obs, *_ = env.step(envs.CONFIRM_ACTION)
+    assert text(obs) not in (b"Never mind.", b"You don't have that object.")
+    assert obs["blstats"][nethack.NLE_BL_TIME] > turn  # eating took game time
+    env.close()
+
+
+def test_eat_prompt_other_action_cancels():
+    env = envs.make_env("NetHackScoreExtendedActions-v1", seed=0)
+    env.reset()
+    obs, *_ = env.step(EAT)
+    turn = obs["blstats"][nethack.NLE_BL_TIME]
+    obs, *_ = env.step(SEARCH)
+    assert text(obs) == b"Never mind."
+    assert obs["blstats"][nethack.NLE_BL_TIME] == turn
+
+
+def test_time_limit_truncates_with_the_real_last_observation():
+    env = envs.make_env("NetHackScoreExtendedActions-v1", seed=0, max_episode_steps=10)
+    env.reset()
+    for step in range(10):
+        obs, _, term, trunc, info = env.step(SEARCH)
+    assert (term, trunc) == (False, True)
+    assert obs["blstats"].any()  # not the zeroed stats of a finished game
+    assert info["episode"]["steps"] == 10
+    env.close()
+
+
+def test_seeded_envs_repeat_their_games():
+    def first_map(seed):
+        env = envs.make_env("NetHackScoreExtendedActions-v1", seed=seed)
+        maps = [env.reset()[0]["chars"].copy(), env.reset()[0]["chars"].copy()]
+        env.close()
+        return maps
+    a, b = first_map(7), first_map(7)
+    assert all((x == y).all() for x, y in zip(a, b))
+    assert not (a[0] == a[1]).all()  # each episode gets its own game
+
+
+def _step_in_child(task):
+    env = envs.make_env(task, seed=1)
+    env.reset()
+    return float(env.step(SEARCH)[1])
+
+
+def test_make_env_works_under_spawn():
+    with mp.get_context("spawn").Pool(1) as pool:
+        assert pool.apply(_step_in_child, ("NetHackStaircaseExtendedActions-v1",)) == 0.0

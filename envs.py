@@ -6,8 +6,6 @@ of the paper's code (`gym.make("NetHackScoreExtendedActions-v1")`). Each step's 
 1/N^beta), and the final step's `info["episode"]` the episode statistics.
 """
 import re
-from collections import defaultdict
-
 import gymnasium as gym
 import numpy as np
 from nle import nethack
@@ -34,8 +32,10 @@ ITEM_PROMPT = re.compile(rb"What do you want to (?:eat|drink)\? \[([a-zA-Z])")
 AGENT_QUESTIONS = (b"eat", b"drink", b"attack", b"direction?", b"pray")
 DESCEND_MESSAGE = b"You descend the stairs."
 SKILL_MESSAGE = b"You feel more confident in"
-KILL_MESSAGE = re.compile(rb"You (?:kill|destroy) ")
-ESC, SPACE = 27, ord(" ")
+KILL_MESSAGE = re.compile(rb"You (?:kill|destroy) ")  # not "is killed": the pet's kills
+ESC, SPACE, CAST, ENHANCE = 27, ord(" "), int(nethack.Command.CAST), int(nethack.Command.ENHANCE)
+STAIRS_KEYS = (int(nethack.MiscDirection.DOWN), int(nethack.MiscDirection.UP))
+EXPLORED_EVERY = 8  # steps between counts of seen cells (also counted before taking stairs)
 STONE_GLYPH = nethack.GLYPH_CMAP_OFF  # unexplored cells show the "dark part of a room"/stone glyph
 
 # goal: "score" (score delta with a frozen-time penalty), ("depth", n) or "oracle" (+50 and end).
@@ -46,7 +46,9 @@ TASKS = {
     "NetHackStaircaseLvl4ExtendedActions-v1": ("depth", 4),
     "NetHackOracleExtendedActions-v1": "oracle",
 }
-BL = nethack  # blstats indices: NLE_BL_X, NLE_BL_SCORE, NLE_BL_DEPTH, ...
+X, Y, SCORE, DEPTH, GOLD, XLVL, TIME, DNUM, DLEVEL = (
+    nethack.NLE_BL_X, nethack.NLE_BL_Y, nethack.NLE_BL_SCORE, nethack.NLE_BL_DEPTH, nethack.NLE_BL_GOLD,
+    nethack.NLE_BL_XP, nethack.NLE_BL_TIME, nethack.NLE_BL_DNUM, nethack.NLE_BL_DLEVEL)
 
 
 def message_bytes(message: np.ndarray) -> bytes:
@@ -76,7 +78,7 @@ class NetHackTask(base.NLE):
         self.task, self.goal = task, TASKS[task]
         self.oracle_glyph = _oracle_glyph() if self.goal == "oracle" else None
         self._seeds = np.random.default_rng(seed) if seed is not None else None
-        self._keys = np.array([int(a) for a in ACTIONS])
+        self._keys = tuple(int(a) for a in ACTIONS)
         self._obs_index = [self._observation_keys.index(k) for k in OBS_KEYS]
 
     # -- gymnasium API -------------------------------------------------------------------------
@@ -88,32 +90,39 @@ class NetHackTask(base.NLE):
             super().seed(core, disp, reseed=False)
         obs, _ = super().reset(options=options)
         self._item_key = None
-        self._message_counts = defaultdict(int)
+        self._message_counts = {}
         self._kills, self._return, self._max_depth = 0, 0.0, 1
         self._explored = {}
-        return obs, {"message_count": self._count_message(self.last_observation)}
+        self._count_explored(self.last_observation, self.last_observation[self._blstats_index].tolist())
+        text = message_bytes(self.last_observation[self._message_index])
+        return obs, {"message_count": self._count_message(text)}
 
     def step(self, action: int):
-        previous = self.last_observation[self._blstats_index].copy()
-        observation, done = self._send_action(int(action))
+        previous = self.last_observation[self._blstats_index].tolist()
+        key = self._keys[action]
+        if key in STAIRS_KEYS:  # the map of the level we may leave: count it while it is there
+            self._count_explored(self.last_observation, previous)
+        observation, done = self._send_action(action, key)
         self._steps += 1
         self.last_observation = observation
-        blstats = observation[self._blstats_index]
-        in_game = bool(blstats.any())  # NLE zeroes the stats once the game is over
-        stats = blstats if in_game else previous
-        self._max_depth = max(self._max_depth, int(stats[BL.NLE_BL_DEPTH]))
+        blstats = observation[self._blstats_index].tolist()
+        stats = blstats if blstats[TIME] else previous  # NLE zeroes the stats once the game is over
+        self._max_depth = max(self._max_depth, stats[DEPTH])
 
-        success = not done and bool(self._succeeded(observation))
+        success = not done and self._succeeded(observation, blstats)
         if self.goal == "score":
-            reward = float(stats[BL.NLE_BL_SCORE] - previous[BL.NLE_BL_SCORE])
-            if blstats[BL.NLE_BL_TIME] == previous[BL.NLE_BL_TIME]:
+            reward = float(stats[SCORE] - previous[SCORE])
+            if blstats[TIME] == previous[TIME]:
                 reward += FROZEN_TIME_PENALTY
         else:
             reward = SUCCESS_REWARD if success else 0.0
         self._return += reward
         truncated = not done and not success and self._steps >= self._max_episode_steps
-        info = {"message_count": self._count_message(observation)}
+        text = message_bytes(observation[self._message_index])
+        info = {"message_count": self._count_message(text)}
         obs = self._get_observation(observation)
+        if done or success or truncated or self._steps % EXPLORED_EVERY == 0:
+            self._count_explored(observation, blstats)
         if done or success or truncated:
             info["episode"] = self._episode_stats(stats, success)
         if (success or truncated) and not done:
@@ -127,17 +136,16 @@ class NetHackTask(base.NLE):
         return {k: observation[i] for k, i in zip(OBS_KEYS, self._obs_index)}
 
     # -- extended actions ----------------------------------------------------------------------
-    def _send_action(self, action: int):
-        key = self._keys[action]
+    def _send_action(self, action: int, key: int):
         if self._item_key is not None:  # we stopped at "What do you want to eat/drink?"
             key = self._item_key if action == CONFIRM_ACTION else SPACE
             self._item_key = None
         observation, done = self.nethack.step(key)
-        if key == nethack.Command.CAST and not done and not observation[self._message_index].any():
+        if key == CAST and not done and not observation[self._message_index].any():
             observation, done = self.nethack.step(ord("a"))  # the spell menu is up: first spell
         observation, done = self._answer_prompts(observation, done)
         if not done and SKILL_MESSAGE in message_bytes(observation[self._message_index]):
-            observation, done = self.nethack.step(nethack.Command.ENHANCE)
+            observation, done = self.nethack.step(ENHANCE)
             if not done:
                 observation, done = self.nethack.step(ord("a"))  # advance the first skill offered
             observation, done = self._answer_prompts(observation, done)
@@ -170,35 +178,34 @@ class NetHackTask(base.NLE):
         return observation, done
 
     # -- task success and statistics -----------------------------------------------------------
-    def _succeeded(self, observation) -> bool:
+    def _succeeded(self, observation, blstats) -> bool:
         if self.goal == "oracle":
-            glyphs, blstats = observation[self._glyph_index], observation[self._blstats_index]
-            x, y = int(blstats[BL.NLE_BL_X]), int(blstats[BL.NLE_BL_Y])
-            return bool((glyphs[max(y - 1, 0):y + 2, max(x - 1, 0):x + 2] == self.oracle_glyph).any())
-        if isinstance(self.goal, tuple):
-            blstats = observation[self._blstats_index]
-            return (blstats[BL.NLE_BL_DLEVEL] == self.goal[1]
-                    and DESCEND_MESSAGE in message_bytes(observation[self._message_index]))
-        return False
+            x, y = blstats[X], blstats[Y]
+            near = observation[self._glyph_index][max(y - 1, 0):y + 2, max(x - 1, 0):x + 2]
+            return bool((near == self.oracle_glyph).any())
+        if self.goal == "score":
+            return False
+        return (blstats[DLEVEL] == self.goal[1]
+                and DESCEND_MESSAGE in message_bytes(observation[self._message_index]))
 
-    def _count_message(self, observation) -> int:
-        text = message_bytes(observation[self._message_index])
-        self._message_counts[text] += 1
-        if KILL_MESSAGE.search(text):
+    def _count_message(self, text: bytes) -> int:
+        count = self._message_counts[text] = self._message_counts.get(text, 0) + 1
+        if text.startswith(b"You ") and KILL_MESSAGE.match(text):
             self._kills += 1
-        blstats = observation[self._blstats_index]
-        level = (int(blstats[BL.NLE_BL_DNUM]), int(blstats[BL.NLE_BL_DLEVEL]))
-        if blstats.any():  # the map of a level only grows; end-of-game screens must not shrink it
+        return count
+
+    def _count_explored(self, observation, blstats):
+        """Seen cells of the current level; a level's map only grows, so keep the maximum."""
+        if blstats[TIME]:
+            level = (blstats[DNUM], blstats[DLEVEL])
             seen = int(np.count_nonzero(observation[self._glyph_index] != STONE_GLYPH))
             self._explored[level] = max(seen, self._explored.get(level, 0))
-        return self._message_counts[text]
 
     def _episode_stats(self, stats, success) -> dict:
         return {
             "return": self._return, "steps": self._steps, "success": float(success),
-            "score": int(stats[BL.NLE_BL_SCORE]), "depth": self._max_depth,
-            "dlvl": int(stats[BL.NLE_BL_DEPTH]), "xlvl": int(stats[BL.NLE_BL_XP]),
-            "gold": int(stats[BL.NLE_BL_GOLD]), "kills": self._kills,
+            "score": stats[SCORE], "depth": self._max_depth, "dlvl": stats[DEPTH],
+            "xlvl": stats[XLVL], "gold": stats[GOLD], "kills": self._kills,
             "explored": sum(self._explored.values()),
         }
 

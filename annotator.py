@@ -11,9 +11,11 @@ import concurrent.futures
 import itertools
 import json
 import multiprocessing
+import multiprocessing.managers
 import os
 import queue
 import re
+import signal
 import time
 import urllib.request
 
@@ -273,7 +275,6 @@ def serve(urls, model, prompts, requests, labels, log, stats, stop, run_dir, kno
 
 
 def _serve_process(*args):
-    import signal
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the learner decides when we stop
     serve(*args)
 
@@ -304,7 +305,9 @@ class LabelClient:
             urls = [url]
             print(f"embedded LLM server at {url}", flush=True)
         ctx = multiprocessing.get_context("spawn")
-        self.manager = ctx.Manager()
+        # the learner decides when everything stops: Ctrl-C must not kill the Manager under it
+        self.manager = multiprocessing.managers.SyncManager(ctx=ctx)
+        self.manager.start(signal.signal, (signal.SIGINT, signal.SIG_IGN))
         self.labels, self.log, self.stats_ = self.manager.dict(), self.manager.list(), self.manager.dict()
         self.requests, self.stop = ctx.Queue(maxsize=1000), ctx.Event()
         self.process = ctx.Process(target=_serve_process, daemon=True, args=(

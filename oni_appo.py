@@ -264,7 +264,7 @@ def env_worker(index, task, seed, num_envs, buffers, conn):
     half_size = num_envs // 2
     seeds = [seed + index * num_envs + i for i in range(num_envs)]
     pool = [envs.make_env(task, seed=s) for s in seeds]
-    needs_reset = [False] * num_envs
+    needs_reset, crashes = [False] * num_envs, [0] * num_envs
 
     def write(b, t, j, obs, count):
         for k in OBS_FIELDS:
@@ -304,7 +304,8 @@ def env_worker(index, task, seed, num_envs, buffers, conn):
                     pool[i].close()
                 except Exception:
                     pass
-                pool[i] = envs.make_env(task, seed=seeds[i] + 7919 * (1 + len(episodes)))
+                crashes[i] += 1
+                pool[i] = envs.make_env(task, seed=seeds[i] + 1_000_003 * crashes[i])
                 (obs, info), reward, end, needs_reset[i] = pool[i].reset(), 0.0, ENDS["reset"], False
                 if t < 0:
                     write(b, 0, j, obs, info["message_count"])
@@ -570,7 +571,7 @@ def train(args):
     for s in range(num_slots):
         buffers["h0"][slot_buffer[s]] = 0.0
         conns[s // 2].send((s % 2, slot_buffer[s], -1))
-    waiting, episode_stats = [], []
+    waiting, episode_stats, worker_failure = [], [], None
     start_steps, start_time, last_log, last_checkpoint = counters["env_steps"], time.time(), time.time(), time.time()
     print(f"training {args.task} with reward {args.reward_type}: {args.num_workers} workers x "
           f"{args.num_envs_per_worker} envs on {device}; run dir {args.run_dir}", flush=True)
@@ -580,10 +581,18 @@ def train(args):
             waiting = []
             for conn in multiprocessing.connection.wait(conns, timeout=0.1):
                 while conn.poll():
-                    half, episodes = conn.recv()
+                    try:
+                        half, episodes = conn.recv()
+                    except (EOFError, OSError):
+                        w = conns.index(conn)
+                        worker_failure = f"env worker {w} died (exit code {workers[w].exitcode})"
+                        stop.set()
+                        break
                     ready.append(conns.index(conn) * 2 + half)
                     episode_stats.extend(episodes)
                     counters["episodes"] += len(episodes)
+            if worker_failure:
+                break
             ready_now = []
             for s in ready:
                 if slot_t[s] == T:  # rollout complete: hand it to the learner, start a new one
@@ -659,6 +668,8 @@ def train(args):
     with open(os.path.join(args.run_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     logger.writer.close()
+    if worker_failure:
+        fail(f"{worker_failure}; checkpoint saved, continue with --resume {args.run_dir}")
     print(f"done: {counters['env_steps']:,} env steps, {summary['sps']:,.0f} steps/s; "
           f"{args.run_dir}/summary.json", flush=True)
     return summary

@@ -3,6 +3,7 @@ whose LLM server is down or dies mid-run."""
 import json
 import os
 import queue
+import signal
 import subprocess
 import sys
 import threading
@@ -224,3 +225,24 @@ def test_training_survives_a_server_that_dies_and_comes_back(tmp_path):
     assert summary["llm_labels"] > 0 and summary["llm_failures"] > 0 and summary["env_steps"] >= 20000
     labelled = [json.loads(x)["caption"] for x in open(run_dir / annotator.LABELS_FILE)]
     assert len(labelled) == len(set(labelled)) == summary["llm_labels"]  # each asked once
+
+
+def test_ctrl_c_to_the_whole_process_group_saves_and_exits_cleanly(tmp_path):
+    """Ctrl-C reaches every process of the group: the annotator and its Manager must survive it."""
+    fake = FakeOpenAI().start()
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "oni_appo.py", "--num-workers", "2", "--num-envs-per-worker", "4",
+                             "--batch-size", "256", "--reward-type", "retrieval", "--llm-url", fake.url,
+                             "--run-dir", str(run_dir)], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    for line in proc.stdout:
+        if "llm labels" in line and "llm labels 0 " not in line:
+            break
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    fake.stop()
+    assert proc.returncode == 0, err[-2000:]
+    assert "Traceback" not in err
+    summary = json.load(open(run_dir / "summary.json"))
+    assert summary["llm_labels"] > 0
+    assert (run_dir / "checkpoint.pt").exists()

@@ -216,3 +216,20 @@ def test_corrupt_and_mismatched_checkpoints_are_clear_errors(tmp_path):
     result = run(["--eval", str(mismatched)], timeout=120)
     assert result.returncode != 0 and "does not match this policy" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_dead_worker_ends_the_run_with_a_clear_error_and_a_checkpoint(tmp_path):
+    run_dir = str(tmp_path / "run")
+    proc = subprocess.Popen([sys.executable, "oni_appo.py", *SMALL_RUN, "--run-dir", run_dir],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:
+        if "steps/s" in line:
+            break
+    children = subprocess.run(["pgrep", "-P", str(proc.pid), "-f", "spawn_main"],
+                              capture_output=True, text=True).stdout.split()
+    os.kill(int(children[0]), signal.SIGKILL)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert err.strip().splitlines()[-1].startswith("error: env worker") and "Traceback" not in err
+    assert f"--resume {run_dir}" in err
+    assert torch.load(os.path.join(run_dir, "checkpoint.pt"), weights_only=False)["counters"]["env_steps"] > 0

@@ -150,7 +150,8 @@ class Labeler:
                 request = urllib.request.Request(root + path, data=json.dumps(body).encode(),
                                                  headers={"Content-Type": "application/json"})
                 with urllib.request.urlopen(request, timeout=10) as response:
-                    return json.load(response)["tokens"][-1]
+                    tokens = json.load(response)["tokens"]
+                return tokens[-1] if len(tokens) <= 2 else None  # [BOS,] token; else no single token
             except Exception:
                 continue
         return None

@@ -339,6 +339,13 @@ def load_checkpoint(path):
     return path, checkpoint
 
 
+def saved_args(checkpoint, path) -> Args:
+    try:
+        return Args(**checkpoint["args"])
+    except TypeError as error:
+        fail(f"checkpoint {path} was written by another version of oni_appo.py: {error}")
+
+
 def load_model(agent, state, path):
     try:
         agent.load_state_dict(state)
@@ -358,10 +365,12 @@ def save_checkpoint(path, state):
 def parse_args(argv=None) -> Args:
     args = tyro.cli(Args, args=argv)
     if args.eval is not None:
+        if args.eval_episodes < 1:
+            fail("--eval-episodes must be at least 1")
         return args
     if args.resume is not None:
         path, checkpoint = load_checkpoint(args.resume)
-        saved = Args(**checkpoint["args"])
+        saved = saved_args(checkpoint, path)
         defaults = Args()
         for name in RESUME_OVERRIDES:
             if getattr(args, name) != getattr(defaults, name):
@@ -401,7 +410,7 @@ def to_device(obs, device):
 
 def evaluate(args):
     path, checkpoint = load_checkpoint(args.eval)
-    saved = Args(**checkpoint["args"])
+    saved = saved_args(checkpoint, path)
     device = pick_device(args.device)
     agent = Agent().to(device)
     load_model(agent, checkpoint["model"], path)
@@ -439,7 +448,7 @@ def evaluate(args):
 
 
 class Logger:
-    """Tensorboard (and wandb behind --track) scalars plus a console progress line."""
+    """Tensorboard scalars, and wandb behind --track."""
 
     def __init__(self, args):
         from torch.utils.tensorboard import SummaryWriter

@@ -30,6 +30,7 @@ MESSAGE_LEN = 256
 SMALL_SET = 25_000  # below this many labels, train 32 steps per chunk of new labels...
 LABEL_CHUNK = 100  # ...of the size the reference's client merged at once (its newest 100)
 PAIR_POOL_EVERY = 10  # every 10th message seen enters the pool that ranking pairs are drawn from
+PAIR_POOL_SIZE = 100_000  # beyond this the pool is a uniform sample of all of them
 
 
 def to_bytes(rows: torch.Tensor) -> list[bytes]:
@@ -168,6 +169,7 @@ class IntrinsicReward:
         self.pairs: list[tuple[str, str, float]] = []  # (first, second, p(first is better))
         self.requested: set[str] = set()
         self.pair_pool: list[str] = []
+        self.pool_offers = 0
         self.messages_seen = 0
         self.new_labels = 0
         self.model_steps = 0
@@ -199,7 +201,7 @@ class IntrinsicReward:
 
     def state_dict(self):
         state = {"pair_pool": self.pair_pool, "messages_seen": self.messages_seen, "norm": self.norm.state_dict(),
-                 "model_steps": self.model_steps}
+                 "model_steps": self.model_steps, "pool_offers": self.pool_offers}
         if self.optimizer is not None:
             state.update(model=self.model.state_dict(), optimizer=self.optimizer.state_dict())
         return state
@@ -208,12 +210,12 @@ class IntrinsicReward:
         if not state:
             return
         self.pair_pool, self.messages_seen = state["pair_pool"], state["messages_seen"]
-        self.model_steps = state.get("model_steps", 0)
+        self.model_steps, self.pool_offers = state["model_steps"], state["pool_offers"]
         self.norm.load_state_dict(state["norm"])
         if self.optimizer is not None and "model" in state:
             self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
-        if self.llm is not None:  # labels come back from labels.jsonl, without asking again
+        if self.llm is not None and self.args.resume:  # labels come back from labels.jsonl, not asked again
             path = os.path.join(os.path.dirname(self.args.resume), annotator.LABELS_FILE)
             if os.path.exists(path):
                 self.add_records(annotator.read_labels(path))
@@ -271,12 +273,20 @@ class IntrinsicReward:
         if self.kind == "ranking":
             for t in texts:
                 self.messages_seen += 1
-                if self.messages_seen % PAIR_POOL_EVERY == 0:
-                    self.pair_pool.append(t)
+                if t and self.messages_seen % PAIR_POOL_EVERY == 0:
+                    self.add_to_pool(t)
             if len(self.pair_pool) >= 2:
                 pairs = [tuple(random.sample(self.pair_pool, 2)) for _ in range(8)]
             new = []
         self.llm.request(new, pairs)
+
+    def add_to_pool(self, text):
+        """Reservoir sampling: the bounded pool stays a uniform sample of every message offered."""
+        self.pool_offers += 1
+        if len(self.pair_pool) < PAIR_POOL_SIZE:
+            self.pair_pool.append(text)
+        elif (j := random.randrange(self.pool_offers)) < PAIR_POOL_SIZE:
+            self.pair_pool[j] = text
 
     # -- training -------------------------------------------------------------------------------
     def train_step(self) -> dict:

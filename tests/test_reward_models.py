@@ -216,3 +216,17 @@ def test_motif_trains_offline_from_pairs_then_stays_frozen(tmp_path):
     assert scores[0] > scores[1]
     with pytest.raises(SystemExit, match="motif needs --labels-from"):
         rm.IntrinsicReward(make_args(reward_type="motif"), "cpu")
+
+
+def test_ranking_pair_pool_is_a_bounded_uniform_sample(monkeypatch):
+    monkeypatch.setattr(rm, "PAIR_POOL_SIZE", 50)
+    random.seed(0)
+    model = rm.IntrinsicReward(make_args(reward_type="ranking"), "cpu")
+    for i in range(5000):
+        model.add_to_pool(str(i))
+    kept = [int(t) for t in model.pair_pool]
+    assert len(kept) == 50 and len(set(kept)) == 50
+    assert 1500 < np.mean(kept) < 3500  # uniform over all 5000, not the first or the last 50
+    restored = rm.IntrinsicReward(make_args(reward_type="ranking"), "cpu")
+    restored.load_state_dict(model.state_dict())
+    assert restored.pair_pool == model.pair_pool and restored.pool_offers == 5000

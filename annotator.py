@@ -59,14 +59,6 @@ PROMPTS = {
         "Message: You miss the gecko.\nProgress: No\n"
         "Message: You have a little trouble lifting the boulder.\nProgress: No\n"
         "Message: {caption}\nProgress:"),
-    "pair_completion": (
-        "Which NetHack message reports more progress (killing monsters, gold, descending, "
-        "levelling up)?\n"
-        "1: You hear a door open.\n2: You kill the gecko!\nBetter: 2\n"
-        "1: You see here 8 gold pieces.\n2: The gecko bites!\nBetter: 1\n"
-        "1: Welcome to experience level 3.\n2: You hear some noises.\nBetter: 1\n"
-        "1: You miss the gecko.\n2: You find a hidden door.\nBetter: 2\n"
-        "1: {first}\n2: {second}\nBetter:"),
 }
 # Added to the logit of " No" against " Yes" for completion prompts: the base model says Yes too
 # readily. Calibrated on benchmarks/label_quality.py's dev set (not on its test set).
@@ -129,6 +121,7 @@ class Labeler:
         self.clients = [OpenAI(base_url=u, api_key="none", timeout=timeout_s, max_retries=0) for u in urls]
         self.next_client = itertools.cycle(range(len(urls)))
         self.model, self.prompts = model, prompts
+        self.labels = {}  # completion style: labels of single messages, reused across pairs
 
     def client(self):
         return self.clients[next(self.next_client)]
@@ -138,7 +131,7 @@ class Labeler:
             self.model = self.client().models.list().data[0].id
         self.style = prompt_style(self.model, self.prompts)
         if self.style == "completion":
-            self.token_ids = {w: self.token_id(w) for w in (" Yes", " No", " 1", " 2")}
+            self.token_ids = {w: self.token_id(w) for w in (" Yes", " No")}
         return self.model
 
     def token_id(self, word):
@@ -181,13 +174,13 @@ class Labeler:
         if not is_pair:
             return self.complete(p["label_completion"].format(**fields), {" Yes": 1, " No": 0},
                                  {" No": NO_BIAS})
-        # a small base model favours one position: ask both orders, disagreement is a tie
-        options = {" 1": 1, " 2": 2}
-        forward = self.complete(p["pair_completion"].format(**fields), options, {})
-        swapped = self.complete(p["pair_completion"].format(first=item[1], second=item[0]), options, {})
-        if UNPARSEABLE in (forward, swapped):
+        # A small base model cannot compare two messages (the 270M default answers by position,
+        # not content): a pair's preference comes from the two messages' own labels.
+        first, second = (self.labels.get(m) if m in self.labels else self.ask(m) for m in item)
+        if UNPARSEABLE in (first, second):
             return UNPARSEABLE
-        return forward if forward != swapped else None
+        self.labels.update({item[0]: first, item[1]: second})
+        return None if first == second else 1 if first > second else 2
 
 
 # ---------------------------------------------------------------------------------------------

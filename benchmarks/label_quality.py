@@ -81,6 +81,10 @@ def main():
         start = time.time()
         accuracy, yes_rate, wrong = agreement(labeler, GOOD, BAD)
         elapsed = time.time() - start
+        pairs = [(g, b) for g, b in zip(GOOD, BAD)] + [(b, g) for g, b in zip(GOOD[::-1], BAD)]
+        answers = [labeler.ask(pair) for pair in pairs]
+        right = sum(a == (1 if pair[0] in GOOD else 2) for pair, a in zip(pairs, answers))
+        ties = sum(a is None for a in answers)
     finally:
         if server is not None:
             llm_server.stop(server)
@@ -88,6 +92,8 @@ def main():
     print(f"model {model} ({labeler.style} prompts) at {url}, NO_BIAS {annotator.NO_BIAS}")
     print(f"agreement {accuracy:.1%} on {n} messages ({len(GOOD)} good, {len(BAD)} bad); "
           f"said yes to {yes_rate:.0%}; {elapsed / n * 1000:.0f} ms a label")
+    print(f"pairs (one helpful, one not; both orders): {right / len(pairs):.0%} prefer the helpful one, "
+          f"{ties / len(pairs):.0%} ties, {1 - (right + ties) / len(pairs):.0%} prefer the other")
     for message, truth, answer in wrong:
         shown = "unparseable" if answer is annotator.UNPARSEABLE else answer
         print(f"  wrong: {message!r} expected {truth}, got {shown}")

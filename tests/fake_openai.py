@@ -1,7 +1,7 @@
 """A small OpenAI-compatible server on 127.0.0.1 for injecting faults into the annotator.
 
 It answers like a completion model: "Yes" for messages that mention killing or gold, "No"
-otherwise; for pairs, the message that mentions killing or gold is better."""
+otherwise."""
 import json
 import re
 import threading
@@ -70,10 +70,6 @@ class FakeOpenAI:
     def completion(self, prompt):
         if self.mode == "garbage":
             token, top = " banana", {" banana": -0.1, " split": -2.0}
-        elif prompt.rstrip().endswith("Better:"):
-            first, second = re.findall(r"^[12]: (.*)$", prompt, re.M)[-2:]
-            token = " 1" if good(first) and not good(second) else " 2" if good(second) else " None"
-            top = {token: -0.1, " 1" if token != " 1" else " 2": -2.0}
         else:
             caption = re.findall(r"^Message: (.*)$", prompt, re.M)[-1]
             token = " Yes" if good(caption) else " No"

@@ -586,8 +586,7 @@ def train(args):
           f"{args.num_envs_per_worker} envs on {device}; run dir {args.run_dir}", flush=True)
     try:
         while counters["env_steps"] < args.total_env_steps and not stop.is_set():
-            ready = [s for s in waiting]
-            waiting = []
+            ready, waiting = waiting, []  # slots still waiting for a free buffer come first
             for conn in multiprocessing.connection.wait(conns, timeout=0.1):
                 while conn.poll():
                     try:

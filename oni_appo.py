@@ -537,15 +537,21 @@ def train(args):
                 lag = version[0] - buffers["version"][index].float()
                 for b in ids:
                     free.put(b)
+                started = time.perf_counter()
                 rewards, reward_stats = intrinsic.rewards(env_reward, batch["obs"]["message"][1:],
                                                           message_count[1:])
+                intrinsic_done = time.perf_counter()
                 loss, losses = appo_loss(agent, batch, rewards, args)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 losses["grad_norm"] = nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm).item()
                 optimizer.step()
+                policy_done = time.perf_counter()
                 losses.update(reward_stats)
                 losses.update(intrinsic.train_step())
+                # where the learner's time goes (tensorboard losses/time_*)
+                losses.update(time_intrinsic_s=intrinsic_done - started, time_policy_s=policy_done - intrinsic_done,
+                              time_reward_model_s=time.perf_counter() - policy_done)
                 with weights_lock:
                     actor.load_state_dict(agent.state_dict())
                     version[0] += 1

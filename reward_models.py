@@ -250,14 +250,12 @@ class IntrinsicReward:
     def score(self, rows, texts) -> torch.Tensor:
         if self.kind == "retrieval":
             return torch.tensor([self.labels.get(t, 0.0) for t in texts], device=self.device)
+        if self.optimizer is not None and self.model_steps == 0:
+            return torch.zeros(len(texts), device=self.device)  # untrained: no reward (the reference used its random init)
         if self.kind == "classification":
-            if not self.labels:  # untrained: no reward at all (the reference used random init)
-                return torch.zeros(len(texts), device=self.device)
             self.model.eval()
             return (self.model(rows).softmax(-1)[:, 1] > 0.5).float()
         if self.kind in ("ranking", "motif"):
-            if not self.pairs:
-                return torch.zeros(len(texts), device=self.device)
             self.model.eval()
             raw = self.model(rows)
             if self.args.raw_ranking:
@@ -301,7 +299,6 @@ class IntrinsicReward:
             return {}
         steps = 32 if size < SMALL_SET else 1
         self.new_labels = 0
-        self.model_steps += steps
         losses = [self.fit_batch() for _ in range(steps)]
         return {"reward_model_loss": float(np.mean(losses)), "reward_model_data": size}
 
@@ -329,6 +326,7 @@ class IntrinsicReward:
         loss.backward()
         nn.utils.clip_grad_norm_(self.model.parameters(), 10.0)
         self.optimizer.step()
+        self.model_steps += 1
         return loss.item()
 
     def fit_offline(self, epochs=10):

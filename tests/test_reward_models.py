@@ -101,11 +101,13 @@ def test_ranking_reward_is_normalized_and_zeroed_below_the_median():
     torch.manual_seed(0)
     model = rm.IntrinsicReward(make_args(reward_type="ranking"), "cpu")
     model.pairs = [("a", "b", 1.0)]
+    assert model.score(rm.to_rows(["a"]), ["a"]).item() == 0.0  # untrained: no reward
+    model.fit_batch(8)
     texts = [f"message {i}" for i in range(64)]
     rows = rm.to_rows(texts)
     raw_model = rm.IntrinsicReward(make_args(reward_type="ranking", raw_ranking=True), "cpu")
     raw_model.model.load_state_dict(model.model.state_dict())
-    raw_model.pairs = model.pairs
+    raw_model.pairs, raw_model.model_steps = model.pairs, model.model_steps
     raw = raw_model.score(rows, texts)
     with torch.no_grad():
         torch.testing.assert_close(raw, model.model(rows))  # the reference's raw output

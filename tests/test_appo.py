@@ -233,3 +233,55 @@ def test_a_dead_worker_ends_the_run_with_a_clear_error_and_a_checkpoint(tmp_path
     assert err.strip().splitlines()[-1].startswith("error: env worker") and "Traceback" not in err
     assert f"--resume {run_dir}" in err
     assert torch.load(os.path.join(run_dir, "checkpoint.pt"), weights_only=False)["counters"]["env_steps"] > 0
+
+
+class CrashOnce:
+    """A real env whose 6th step (counted over all instances) raises, as a broken game would."""
+    calls = 0
+
+    def __init__(self, env):
+        self.env = env
+
+    def reset(self):
+        return self.env.reset()
+
+    def step(self, action):
+        CrashOnce.calls += 1
+        if CrashOnce.calls == 6:
+            raise RuntimeError("injected crash")
+        return self.env.step(action)
+
+    def close(self):
+        self.env.close()
+
+
+def test_worker_end_codes_truncation_and_crash_recovery(monkeypatch):
+    import multiprocessing as mp
+
+    import envs
+    from nle import nethack
+    real_make = envs.make_env
+    monkeypatch.setattr(envs, "make_env", lambda task, seed=None: CrashOnce(real_make(task, seed=seed, max_episode_steps=4)))
+    T = 8
+    buffers = oni_appo.make_buffers(1, T, 1)  # one buffer, one env per half
+    buffers["action"][:] = envs.ACTIONS.index(nethack.Command.SEARCH)
+    parent, child = mp.get_context("fork").Pipe()  # fork: the child keeps the patched make_env
+    worker = mp.get_context("fork").Process(target=oni_appo.env_worker,
+                                            args=(0, "NetHackScoreExtendedActions-v1", 0, 2, buffers, child))
+    worker.start()
+    parent.send((0, 0, -1))
+    parent.recv()
+    episodes = []
+    for t in range(T):
+        parent.send((0, 0, t))
+        half, finished = parent.recv()
+        episodes += finished
+    parent.send(None)
+    worker.join(timeout=30)
+    ends = buffers["end"][0, :, 0].tolist()
+    R, TR, RS = ENDS["running"], ENDS["truncated"], ENDS["reset"]
+    # 4 steps then the time limit; a reset step; 2 steps; the crash (a recreated env: reset); a step
+    assert ends == [R, R, R, TR, RS, R, RS, R]
+    assert buffers["blstats"][0, 4, 0].abs().sum() > 0  # the truncated episode's real last observation
+    assert [e["steps"] for e in episodes] == [4]
+    assert buffers["message_count"][0, 5, 0] >= 1

@@ -246,3 +246,22 @@ def test_ctrl_c_to_the_whole_process_group_saves_and_exits_cleanly(tmp_path):
     summary = json.load(open(run_dir / "summary.json"))
     assert summary["llm_labels"] > 0
     assert (run_dir / "checkpoint.pt").exists()
+
+
+def test_prompt_file_replaces_templates_and_bad_files_are_clear_errors(tmp_path, fake):
+    from types import SimpleNamespace
+    custom = tmp_path / "prompts.json"
+    custom.write_text(json.dumps({"label_completion": "Is this good in NetHack?\nMessage: {caption}\nProgress:"}))
+    client = annotator.LabelClient(SimpleNamespace(prompt_file=str(custom), llm_url=[fake.url], llm_model=None))
+    assert client.prompts["label_completion"].startswith("Is this good in NetHack?")
+    assert client.prompts["label_user"] == annotator.PROMPTS["label_user"]  # the rest stays
+    labeler = annotator.Labeler([fake.url], None, client.prompts, 5.0)
+    labeler.resolve_model()
+    assert labeler.ask("You kill the newt!") == 1
+    chat = annotator.Labeler([fake.url], "Llama-3.1-8B-Instruct", client.prompts, 5.0)
+    chat.resolve_model()
+    assert chat.style == "chat" and labeler.style == "completion"
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    with pytest.raises(SystemExit, match="cannot read --prompt-file"):
+        annotator.LabelClient(SimpleNamespace(prompt_file=str(broken)))

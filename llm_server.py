@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 
@@ -80,9 +81,15 @@ def wait_until_ready(url, process, timeout_s=600.0, log_path=None):
 def start(backend="llama_cpp", model=None, host="127.0.0.1", port=None, threads=None,
           tensor_parallel_size=1, log_path=None, timeout_s=600.0):
     """Start the server as a child process; returns (process, base URL) once it answers."""
+    if port:
+        with socket.socket() as probe:  # else we would find the other server answering there
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                raise SystemExit(f"error: port {port} is already in use")
     port = port or free_port()
     command = build_command(backend, model, host, port, threads, tensor_parallel_size)
-    log = open(log_path, "a") if log_path else subprocess.DEVNULL
+    if log_path is None:  # keep the output somewhere, so a failed start can say why
+        log_path = tempfile.NamedTemporaryFile(prefix="llm_server-", suffix=".log", delete=False).name
+    log = open(log_path, "a")
     # its own session: a Ctrl-C meant for the trainer must not kill the server under it
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}/v1"

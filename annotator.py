@@ -4,7 +4,8 @@ The learner puts captions (and, for Ranking, pairs of captions) on a queue; the 
 bounded backlog, newest first, several requests in flight, timeouts and retries with backoff, and
 writes each label into a `multiprocessing.Manager` dict (plus an append-only log the learner reads
 incrementally) and into `labels.jsonl` in the run dir. A server that is down, slow or dies never
-blocks training: its captions wait in the backlog until it answers again.
+blocks training: its captions wait in the backlog until it answers again. An error that retrying
+cannot fix stops the annotator and, through `LabelClient.check()`, the run.
 """
 import collections
 import concurrent.futures
@@ -16,14 +17,19 @@ import os
 import queue
 import re
 import signal
+import sys
 import time
 import urllib.request
+
+import llm_server
 
 LABELS_FILE = "labels.jsonl"
 MAX_BACKLOG = 10_000
 CONCURRENCY = 4  # llama.cpp takes one prompt a request; vLLM batches concurrent requests itself
 TIMEOUT_S = 60.0
 MAX_BACKOFF_S = 30.0
+TOKENIZE_BACKOFF_S = (0.5, 1.0, 2.0)  # start-up retries of the server's tokenize endpoint
+CHECK_EVERY_S, MAX_RESTARTS = 5.0, 5  # LabelClient.check(): how often it reads the stats; restarts
 UNPARSEABLE = object()
 
 # ---------------------------------------------------------------------------------------------
@@ -60,9 +66,9 @@ PROMPTS = {
         "Message: You have a little trouble lifting the boulder.\nProgress: No\n"
         "Message: {caption}\nProgress:"),
 }
-# Added to the logit of " No" against " Yes" for completion prompts: the base model says Yes too
+# How much more logit " No" gets than " Yes" for completion prompts: the base model says Yes too
 # readily. Calibrated on benchmarks/label_quality.py's dev set (not on its test set).
-NO_BIAS = 0.5
+BIAS_TOWARDS_NO = 0.25
 LABEL_TAG = re.compile(r"<label>\s*(FOO|BAR)\s*</label>", re.IGNORECASE)
 PREFERENCE = re.compile(r"best_description\"?\s*:\s*\"?(1|2|None)", re.IGNORECASE)
 
@@ -74,11 +80,12 @@ def parse_label(text: str):
 
 
 def parse_preference(text: str):
-    """1, 2, or None (a tie) from the first best_description answer, else UNPARSEABLE."""
-    match = PREFERENCE.search(text or "")
-    if not match:
+    """1, 2, or None (a tie) from the last best_description answer (a reply may restate the
+    format before it answers), else UNPARSEABLE."""
+    answers = PREFERENCE.findall(text or "")
+    if not answers:
         return UNPARSEABLE
-    return None if match.group(1).lower() == "none" else int(match.group(1))
+    return None if answers[-1].lower() == "none" else int(answers[-1])
 
 
 def parse_choice(text: str, options: dict):
@@ -101,6 +108,28 @@ def read_labels(path: str) -> list[dict]:
             return [json.loads(line) for line in f if line.strip()]
     except (OSError, ValueError) as error:
         raise SystemExit(f"error: cannot read labels from {path}: {error}")
+
+
+class Fatal(Exception):
+    """An error that retrying cannot fix: the annotator stops asking."""
+
+
+def fatal_reason(error):
+    """One line saying why retrying cannot help, else None: down, slow, 5xx, 408 and 429 are retried;
+    any other 4xx (no such model, a request the backend rejects) is fatal."""
+    status = getattr(error, "status_code", None)
+    if isinstance(error, Fatal) or status is None or status >= 500 or status in (408, 429):
+        return str(error) if isinstance(error, Fatal) else None
+    body = getattr(error, "body", None)  # the openai client keeps the server's error object here
+    detail = body.get("message", body) if isinstance(body, dict) else body or error
+    return " ".join(f"HTTP {status} from {error.request.url}: {detail}".split())[:500]
+
+
+def fill(prompts, name, **fields):
+    try:
+        return prompts[name].format(goal=GOAL, **fields)
+    except (KeyError, IndexError, ValueError) as error:  # e.g. literal braces: write {{ and }}
+        raise Fatal(f"prompt template {name!r}: {type(error).__name__}: {error}") from None
 
 
 def prompt_style(model: str, prompts: dict) -> str:
@@ -131,7 +160,15 @@ class Labeler:
             self.model = self.client().models.list().data[0].id
         self.style = prompt_style(self.model, self.prompts)
         if self.style == "completion":
-            self.token_ids = {w: self.token_id(w) for w in (" Yes", " No")}
+            for wait_s in (0, *TOKENIZE_BACKOFF_S):
+                time.sleep(wait_s)
+                self.token_ids = {w: self.token_id(w) for w in (" Yes", " No")}
+                if None not in self.token_ids.values():
+                    break
+            self.restricted = None not in self.token_ids.values()
+            if not self.restricted:
+                print("annotator: the server did not tokenize ' Yes'/' No': answers are not restricted to them",
+                      file=sys.stderr, flush=True)
         return self.model
 
     def token_id(self, word):
@@ -150,10 +187,14 @@ class Labeler:
         return None
 
     def complete(self, prompt, options: dict, bias: dict):
-        """One greedy token restricted to the options' tokens (+bias), where the server can."""
-        ids = {w: self.token_ids.get(w) for w in options}
-        logit_bias = ({str(i): 100.0 + bias.get(w, 0.0) for w, i in ids.items()}
-                      if None not in ids.values() else None)
+        """One greedy token restricted to the options' tokens where the server can: the favourite
+        gets a logit bias of 100, the most every backend accepts; the others that less their bias."""
+        ids, logit_bias = {w: self.token_ids.get(w) for w in options}, None
+        if None not in ids.values():
+            top = max(bias.get(w, 0.0) for w in options)
+            logit_bias = {str(i): 100.0 - top + bias.get(w, 0.0) for w, i in ids.items()}
+            if not all(-100.0 <= b <= 100.0 for b in logit_bias.values()):  # a backend would clamp it
+                raise Fatal(f"logit biases {logit_bias} are outside [-100, 100]")
         answer = self.client().completions.create(model=self.model, prompt=prompt, max_tokens=1,
                                                   temperature=0.0, logit_bias=logit_bias)
         return parse_choice(answer.choices[0].text, {w.strip().lower(): v for w, v in options.items()})
@@ -161,19 +202,18 @@ class Labeler:
     def ask(self, item):
         """item: a caption (str) or a (first, second) pair. Returns the parsed answer."""
         p, is_pair = self.prompts, isinstance(item, tuple)
-        fields = {"goal": GOAL}
-        fields.update({"first": item[0], "second": item[1]} if is_pair else {"caption": item})
+        fields = {"first": item[0], "second": item[1]} if is_pair else {"caption": item}
         if self.style == "chat":
             kind = "pair" if is_pair else "label"
             answer = self.client().chat.completions.create(
                 model=self.model, temperature=0.1, max_tokens=512,
                 messages=[{"role": "system", "content": p[f"{kind}_system"]},
-                          {"role": "user", "content": p[f"{kind}_user"].format(**fields)}])
+                          {"role": "user", "content": fill(p, f"{kind}_user", **fields)}])
             text = answer.choices[0].message.content
             return parse_preference(text) if is_pair else parse_label(text)
         if not is_pair:
-            return self.complete(p["label_completion"].format(**fields), {" Yes": 1, " No": 0},
-                                 {" No": NO_BIAS})
+            return self.complete(fill(p, "label_completion", **fields), {" Yes": 1, " No": 0},
+                                 {" No": BIAS_TOWARDS_NO})
         # A small base model cannot compare two messages (the 270M default answers by position,
         # not content): a pair's preference comes from the two messages' own labels.
         first, second = (self.labels.get(m) if m in self.labels else self.ask(m) for m in item)
@@ -192,8 +232,8 @@ def serve(urls, model, prompts, requests, labels, log, stats, stop, run_dir, kno
     backlog, queued = collections.deque(), set()
     done, attempts, in_flight = set(known), collections.Counter(), {}
     latencies = collections.deque(maxlen=1000)
-    counts = collections.Counter()
-    backoff, resume_at, model_known = 1.0, 0.0, False
+    counts = collections.Counter(stats.copy())  # a restarted annotator goes on counting
+    backoff, resume_at, model_known, fatal = 1.0, 0.0, False, None
     out = open(os.path.join(run_dir, LABELS_FILE), "a")
     pool = concurrent.futures.ThreadPoolExecutor(CONCURRENCY)
 
@@ -220,7 +260,7 @@ def serve(urls, model, prompts, requests, labels, log, stats, stop, run_dir, kno
         out.flush()
         counts["labels"] += 1
 
-    while not stop.is_set():
+    while not stop.is_set() and not fatal:
         try:
             captions, pairs = requests.get(timeout=0.05)
             for item in itertools.chain(captions, pairs):
@@ -232,9 +272,12 @@ def serve(urls, model, prompts, requests, labels, log, stats, stop, run_dir, kno
             try:
                 labeler.resolve_model()
                 model_known, backoff = True, 1.0
-            except Exception:
+                if labeler.style == "completion":
+                    counts["answers_restricted"] = int(labeler.restricted)
+            except Exception as error:
                 counts["failures"] += 1
                 resume_at, backoff = now + backoff, min(backoff * 2, MAX_BACKOFF_S)
+                fatal = fatal_reason(error)
         while model_known and backlog and len(in_flight) < CONCURRENCY and now >= resume_at:
             item = backlog.pop()  # newest first
             key = pair_key(*item) if isinstance(item, tuple) else item
@@ -245,9 +288,10 @@ def serve(urls, model, prompts, requests, labels, log, stats, stop, run_dir, kno
             counts["requests"] += 1
             try:
                 answer = future.result()
-            except Exception:  # down, 5xx, timeout: the item waits for the server to come back
+            except Exception as error:  # down, 5xx, timeout: the item waits for the server to come back
                 counts["failures"] += 1
                 resume_at, backoff = time.time() + backoff, min(backoff * 2, MAX_BACKOFF_S)
+                fatal = fatal or fatal_reason(error)
                 enqueue(item)
                 continue
             backoff = 1.0
@@ -264,6 +308,8 @@ def serve(urls, model, prompts, requests, labels, log, stats, stop, run_dir, kno
         stats.update(dict(counts), backlog=len(backlog), in_flight=len(in_flight),
                      latency_p50=ordered[len(ordered) // 2] if ordered else 0.0,
                      latency_p95=ordered[int(len(ordered) * 0.95)] if ordered else 0.0)
+    if fatal:
+        stats["fatal"] = fatal
     pool.shutdown(wait=False, cancel_futures=True)
     out.close()
 
@@ -278,11 +324,11 @@ def _serve_process(*args):
 # ---------------------------------------------------------------------------------------------
 class LabelClient:
     """Starts the annotator (and the embedded LLM server when no --llm-url is given), sends it
-    requests, and reads new labels in bulk from the shared log."""
+    requests, reads new labels in bulk from the shared log, and restarts it if it dies."""
 
     def __init__(self, args):
         self.args, self.server, self.process, self.final_stats = args, None, None, None
-        self.read = 0
+        self.read, self.restarts, self.next_check = 0, 0, 0.0
         self.prompts = dict(PROMPTS)
         if args.prompt_file:
             try:
@@ -290,24 +336,59 @@ class LabelClient:
                     self.prompts.update(json.load(f))
             except (OSError, ValueError) as error:
                 raise SystemExit(f"error: cannot read --prompt-file {args.prompt_file}: {error}")
+            try:  # a template that cannot be filled in is an error now, not after start-up
+                for name in ("label_user", "pair_user", "label_completion"):
+                    fill(self.prompts, name, caption="c", first="a", second="b")
+            except Fatal as error:
+                raise SystemExit(f"error: --prompt-file {args.prompt_file}: {error}")
 
     def start(self, run_dir, known):
-        urls = list(self.args.llm_url)
-        if not urls:
-            import llm_server
-            self.server, url = llm_server.start(log_path=os.path.join(run_dir, "llm_server.log"))
-            urls = [url]
+        self.urls, self.run_dir, self.known = list(self.args.llm_url), run_dir, set(known)
+        if not self.urls:
+            self.server, url = llm_server.start(log_path=os.path.join(run_dir, "llm_server.log"),
+                                                threads=getattr(self.args, "llm_threads", None),
+                                                num_workers=getattr(self.args, "num_workers", 0))
+            self.urls = [url]
             print(f"embedded LLM server at {url}", flush=True)
-        ctx = multiprocessing.get_context("spawn")
-        # the learner decides when everything stops: Ctrl-C must not kill the Manager under it
-        self.manager = multiprocessing.managers.SyncManager(ctx=ctx)
-        self.manager.start(signal.signal, (signal.SIGINT, signal.SIG_IGN))
-        self.labels, self.log, self.stats_ = self.manager.dict(), self.manager.list(), self.manager.dict()
-        self.requests, self.stop = ctx.Queue(maxsize=1000), ctx.Event()
-        self.process = ctx.Process(target=_serve_process, daemon=True, args=(
-            urls, self.args.llm_model, self.prompts, self.requests, self.labels, self.log,
-            self.stats_, self.stop, run_dir, known))
-        self.process.start()
+        try:
+            self.ctx = multiprocessing.get_context("spawn")
+            # the learner decides when everything stops: Ctrl-C must not kill the Manager under it
+            self.manager = multiprocessing.managers.SyncManager(ctx=self.ctx)
+            self.manager.start(signal.signal, (signal.SIGINT, signal.SIG_IGN))
+            self.labels, self.log, self.stats_ = self.manager.dict(), self.manager.list(), self.manager.dict()
+            self.stop = self.ctx.Event()
+            self.launch()
+        except BaseException:
+            self.close()  # the embedded server must not outlive a failed start
+            raise
+
+    def launch(self):
+        """(Re)starts the annotator on the same Manager objects, with a new queue (a process that died
+        could hold the old one's lock), knowing every label so far."""
+        self.requests = self.ctx.Queue(maxsize=1000)
+        process = self.ctx.Process(target=_serve_process, daemon=True, args=(
+            self.urls, self.args.llm_model, self.prompts, self.requests, self.labels, self.log,
+            self.stats_, self.stop, self.run_dir, self.known | set(self.labels.keys())))
+        process.start()
+        self.process = process  # only once started: close() joins it
+
+    def check(self):
+        """Once per learner update, cheap (reads the stats every CHECK_EVERY_S at most). Restarts a
+        dead annotator. A fatal error raises SystemExit, on which the learner saves a checkpoint and
+        stops the run: nothing is lost; fix the cause and --resume."""
+        alive = self.process is not None and self.process.is_alive()
+        if self.process is None or alive and time.time() < self.next_check:
+            return
+        self.next_check = time.time() + CHECK_EVERY_S
+        if fatal := self.stats().get("fatal"):
+            raise SystemExit(f"error: annotator: {fatal}")
+        if not alive:
+            self.restarts += 1
+            why = f"annotator: its process died (exit code {self.process.exitcode}), {self.restarts} times so far"
+            if self.restarts > MAX_RESTARTS:
+                raise SystemExit(f"error: {why}")
+            print(f"{why}: restarting it", file=sys.stderr, flush=True)
+            self.launch()
 
     def request(self, captions, pairs):
         if captions or pairs:
@@ -324,8 +405,8 @@ class LabelClient:
     def stats(self) -> dict:
         if self.final_stats is not None:
             return self.final_stats
-        try:
-            return dict(self.stats_) if self.process is not None else {}
+        try:  # copy(): one round trip (dict() of a proxy makes one a key)
+            return {**self.stats_.copy(), "restarts": self.restarts} if self.process is not None else {}
         except Exception:  # the manager is gone
             return {}
 
@@ -338,5 +419,4 @@ class LabelClient:
             self.final_stats = self.stats()
             self.manager.shutdown()
         if self.server is not None:
-            import llm_server
             llm_server.stop(self.server)

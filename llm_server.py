@@ -35,8 +35,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def build_command(backend, model, host, port, threads=None, tensor_parallel_size=1, max_model_len=4096):
-    """The server's command line; checks that the backend is installed and a model path exists."""
+def build_command(backend, model, host, port, threads=None, tensor_parallel_size=1, max_model_len=4096,
+                  num_workers=0, gpu_memory_utilization=0.5):
+    """The server's command line; checks that the backend is installed and a model path exists.
+    llama.cpp's threads default to the cores that the trainer's env workers leave (at least one)."""
     if backend not in BACKENDS:
         raise SystemExit(f"error: unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if importlib.util.find_spec(BACKENDS[backend]) is None:
@@ -48,7 +50,7 @@ def build_command(backend, model, host, port, threads=None, tensor_parallel_size
         if not os.path.isfile(model):
             raise SystemExit(f"error: model file {model} does not exist")
         return [sys.executable, "-m", "llama_cpp.server", "--model", model, "--host", host, "--port", str(port),
-                "--n_threads", str(threads or os.cpu_count() or 1), "--n_ctx", "2048",
+                "--n_threads", str(threads or max(1, (os.cpu_count() or 1) - num_workers)), "--n_ctx", "2048",
                 "--logits_all", "false",  # logits of every prompt token cost ~20x; we read one token
                 "--model_alias", os.path.basename(model).removesuffix(".gguf")]
     if model is None:
@@ -57,7 +59,8 @@ def build_command(backend, model, host, port, threads=None, tensor_parallel_size
         raise SystemExit(f"error: model path {model} does not exist")
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", host,
             "--port", str(port), "--tensor-parallel-size", str(tensor_parallel_size),
-            "--max-model-len", str(max_model_len)]
+            "--max-model-len", str(max_model_len),
+            "--gpu-memory-utilization", str(gpu_memory_utilization)]  # the learner may share the GPU
 
 
 def wait_until_ready(url, process, timeout_s=600.0, log_path=None):
@@ -79,14 +82,15 @@ def wait_until_ready(url, process, timeout_s=600.0, log_path=None):
 
 
 def start(backend="llama_cpp", model=None, host="127.0.0.1", port=None, threads=None,
-          tensor_parallel_size=1, log_path=None, timeout_s=600.0):
+          tensor_parallel_size=1, log_path=None, timeout_s=600.0, num_workers=0, gpu_memory_utilization=0.5):
     """Start the server as a child process; returns (process, base URL) once it answers."""
     if port:
         with socket.socket() as probe:  # else we would find the other server answering there
             if probe.connect_ex(("127.0.0.1", port)) == 0:
                 raise SystemExit(f"error: port {port} is already in use")
     port = port or free_port()
-    command = build_command(backend, model, host, port, threads, tensor_parallel_size)
+    command = build_command(backend, model, host, port, threads, tensor_parallel_size, num_workers=num_workers,
+                            gpu_memory_utilization=gpu_memory_utilization)
     if log_path is None:  # keep the output somewhere, so a failed start can say why
         log_path = tempfile.NamedTemporaryFile(prefix="llm_server-", suffix=".log", delete=False).name
     log = open(log_path, "a")
@@ -98,13 +102,14 @@ def start(backend="llama_cpp", model=None, host="127.0.0.1", port=None, threads=
 
 
 def stop(process, timeout_s=10.0):
-    if process.poll() is None:
-        process.terminate()
+    """Ends the server's whole process group (its own session): vLLM's engine runs in processes of
+    its own. SIGTERM first; SIGKILL for whatever is left after timeout_s."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
+            os.killpg(process.pid, sig)
             process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
 
 
 def main(argv=None):
@@ -116,10 +121,12 @@ def main(argv=None):
     parser.add_argument("--port", type=int, default=8000, help="port to listen on")
     parser.add_argument("--threads", type=int, default=None, help="llama_cpp CPU threads (default: all)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="vllm: GPUs per model")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.5,
+                        help="vllm: share of GPU memory to take (a learner may share the GPU)")
     parser.add_argument("--log", default=None, help="write the server's output to this file")
     args = parser.parse_args(argv)
-    process, url = start(args.backend, args.model, args.host, args.port, args.threads,
-                         args.tensor_parallel_size, args.log)
+    process, url = start(args.backend, args.model, args.host, args.port, args.threads, args.tensor_parallel_size,
+                         args.log, gpu_memory_utilization=args.gpu_memory_utilization)
     print(f"LLM server ready: --llm-url {url}", flush=True)
 
     def shutdown(signum, frame):

@@ -1,12 +1,17 @@
 """A small OpenAI-compatible server on 127.0.0.1 for injecting faults into the annotator.
 
-It answers like a completion model: "Yes" for messages that mention killing or gold, "No"
-otherwise."""
+It judges like a model would: messages that mention killing or gold are helpful. Named like a base
+model (the default), it answers /completions with " Yes"/" No"; named like an instruct model
+("fake-instruct"), /chat/completions with some reasoning, then a <label> tag or a best_description.
+Like vLLM, it serves /tokenize, answers 404 for a model it does not have, and like OpenAI it rejects
+(400) logit biases outside [-100, 100]. It records every call in `calls`."""
 import json
 import re
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+TOKENS = {" Yes": [2, 7010], " No": [2, 1294]}  # [BOS, token], as a Gemma or Llama tokenizer answers
 
 
 def good(text):
@@ -14,10 +19,11 @@ def good(text):
 
 
 class FakeOpenAI:
-    def __init__(self, port=0):
-        self.port, self.server = port, None
-        self.mode, self.delay, self.fail_next = "ok", 0.0, 0
-        self.requests = 0
+    def __init__(self, port=0, model="fake-base"):
+        self.port, self.server, self.model = port, None, model
+        self.mode, self.delay, self.fail_next, self.fail_status = "ok", 0.0, 0, 500
+        self.tokenize_fails = 0  # the next this many /tokenize calls get HTTP 500
+        self.requests, self.calls = 0, []  # requests: (chat) completions asked for
         self.lock = threading.Lock()
 
     @property
@@ -40,22 +46,38 @@ class FakeOpenAI:
                 self.wfile.write(data)
 
             def do_GET(self):
-                self.reply(200, {"object": "list", "data": [{"id": "fake-base", "object": "model",
+                self.reply(200, {"object": "list", "data": [{"id": fake.model, "object": "model",
                                                              "owned_by": "test"}]})
 
             def do_POST(self):
-                if not self.path.endswith("/completions"):
-                    return self.reply(404, {"error": {"message": "not found"}})
                 request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 with fake.lock:
-                    fake.requests += 1
-                    failing = fake.fail_next > 0
-                    fake.fail_next -= failing
+                    fake.calls.append((self.path, request))
+                    if self.path == "/tokenize":
+                        failing = fake.tokenize_fails > 0
+                        fake.tokenize_fails -= failing
+                    elif self.path in ("/v1/completions", "/v1/chat/completions"):
+                        fake.requests += 1
+                        failing = fake.fail_next > 0
+                        fake.fail_next -= failing
+                    else:
+                        return self.reply(404, {"error": {"message": "not found"}})
+                if self.path == "/tokenize":
+                    if failing:
+                        return self.reply(500, {"error": {"message": "injected failure"}})
+                    return self.reply(200, {"tokens": TOKENS.get(request["prompt"], [2, 11, 12, 13])})
                 if fake.delay:
                     time.sleep(fake.delay)
                 if failing or fake.mode == "500":
-                    return self.reply(500, {"error": {"message": "injected failure"}})
-                self.reply(200, fake.completion(request["prompt"]))
+                    return self.reply(fake.fail_status, {"error": {"message": "injected failure"}})
+                if request["model"] != fake.model:
+                    return self.reply(404, {"object": "error", "code": 404,
+                                            "message": f"The model `{request['model']}` does not exist."})
+                if any(abs(b) > 100 for b in (request.get("logit_bias") or {}).values()):
+                    return self.reply(400, {"error": {"message": "logit_bias values must be in [-100, 100]"}})
+                if self.path == "/v1/completions":
+                    return self.reply(200, fake.completion(request["prompt"]))
+                self.reply(200, fake.chat(request["messages"][-1]["content"]))
 
         self.server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
         self.server.daemon_threads = True
@@ -69,13 +91,28 @@ class FakeOpenAI:
 
     def completion(self, prompt):
         if self.mode == "garbage":
-            token, top = " banana", {" banana": -0.1, " split": -2.0}
+            token = " banana"
         else:
             caption = re.findall(r"^Message: (.*)$", prompt, re.M)[-1]
             token = " Yes" if good(caption) else " No"
-            top = {token: -0.1, " No" if token == " Yes" else " Yes": -2.5}
-        return {"id": "cmpl-fake", "object": "text_completion", "created": 0, "model": "fake-base",
-                "choices": [{"index": 0, "text": token, "finish_reason": "length",
-                             "logprobs": {"tokens": [token], "token_logprobs": [top[token]],
-                                          "top_logprobs": [top], "text_offset": [0]}}],
+        return {"id": "cmpl-fake", "object": "text_completion", "created": 0, "model": self.model,
+                "choices": [{"index": 0, "text": token, "finish_reason": "length"}],
+                "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
+
+    def chat(self, prompt):
+        """Restates the answer format first, as instruct models do, then answers."""
+        quoted = re.findall(r'"(.*)"$', prompt, re.M)  # the message(s), each ending its line
+        if self.mode == "garbage":
+            text = "Hard to say without seeing the map."
+        elif len(quoted) == 2:
+            better = {(True, False): 1, (False, True): 2}.get((good(quoted[0]), good(quoted[1])))
+            text = (f'I must answer with ("best_description": 1) or ("best_description": 2). Killing and '
+                    f'gold are progress. ("best_description": {better})')
+        else:
+            text = (f"I must end with <label>FOO</label> or <label>BAR</label>. This message reports "
+                    f"{'progress' if good(quoted[0]) else 'no progress'}. "
+                    f"<label>{'FOO' if good(quoted[0]) else 'BAR'}</label>")
+        return {"id": "chat-fake", "object": "chat.completion", "created": 0, "model": self.model,
+                "choices": [{"index": 0, "finish_reason": "stop",
+                             "message": {"role": "assistant", "content": text}}],
                 "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}

@@ -8,11 +8,13 @@ import subprocess
 import sys
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
 import annotator
-from fake_openai import FakeOpenAI
+import llm_server
+from fake_openai import TOKENS, FakeOpenAI
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CAPTIONS = ["You kill the newt!", "It's a wall.", "You see here 5 gold pieces.",
@@ -22,11 +24,11 @@ CAPTIONS = ["You kill the newt!", "It's a wall.", "You see here 5 gold pieces.",
 class Annotator:
     """`annotator.serve` in a thread, with plain containers in place of the Manager's proxies."""
 
-    def __init__(self, url, run_dir, known=(), timeout_s=5.0):
+    def __init__(self, url, run_dir, known=(), timeout_s=5.0, model=None, prompts=annotator.PROMPTS):
         self.requests, self.stop = queue.Queue(), threading.Event()
         self.labels, self.log, self.stats = {}, [], {}
         self.thread = threading.Thread(target=annotator.serve, daemon=True, args=(
-            [url], None, annotator.PROMPTS, self.requests, self.labels, self.log, self.stats,
+            [url], model, prompts, self.requests, self.labels, self.log, self.stats,
             self.stop, str(run_dir), set(known), timeout_s))
         self.thread.start()
 
@@ -49,11 +51,15 @@ class Annotator:
 @pytest.fixture(autouse=True)
 def quick_backoff(monkeypatch):
     monkeypatch.setattr(annotator, "MAX_BACKOFF_S", 0.3)
+    monkeypatch.setattr(annotator, "TOKENIZE_BACKOFF_S", (0.05, 0.05))
 
 
-@pytest.fixture
-def fake():
-    server = FakeOpenAI().start()
+STYLES = ["fake-base", "fake-instruct"]  # model names that get completion and chat prompts
+
+
+@pytest.fixture(params=STYLES)
+def fake(request):
+    server = FakeOpenAI(model=request.param).start()
     yield server
     if server.server is not None:
         try:
@@ -77,10 +83,20 @@ def test_labels_pairs_and_the_labels_file(fake, tmp_path):
     lines = [json.loads(x) for x in open(tmp_path / annotator.LABELS_FILE)]
     assert len(lines) == 6 and {"pair": ["It's a wall.", "You kill the newt!"], "preference": 2} in lines
     assert lines == a.log
+    path, body = fake.calls[-1]
+    if fake.model == "fake-instruct":  # chat prompts: the system's role, then the question
+        assert path == "/v1/chat/completions" and [m["role"] for m in body["messages"]] == ["system", "user"]
+        assert "answers_restricted" not in a.stats
+    else:  # one token restricted to Yes/No, No favoured by BIAS_TOWARDS_NO, every bias within [-100, 100]
+        assert path == "/v1/completions" and body["prompt"].endswith("\nProgress:")
+        yes, no = (str(TOKENS[w][-1]) for w in (" Yes", " No"))
+        assert body["logit_bias"] == {yes: 100.0 - annotator.BIAS_TOWARDS_NO, no: 100.0}
+        assert a.stats["answers_restricted"] == 1
 
 
-def test_server_down_at_start(tmp_path):
-    fake = FakeOpenAI()
+@pytest.mark.parametrize("model", STYLES)
+def test_server_down_at_start(tmp_path, model):
+    fake = FakeOpenAI(model=model)
     probe = FakeOpenAI().start()  # reserve a free port, then free it: nothing listens there
     fake.port = probe.port
     probe.stop()
@@ -109,14 +125,65 @@ def test_server_dies_mid_run_and_comes_back(fake, tmp_path):
     assert a.labels == expected_labels() and a.stats["labels"] == len(CAPTIONS)
 
 
-def test_http_500s_are_retried(fake, tmp_path):
-    fake.fail_next = 3
+@pytest.mark.parametrize("status", [500, 503, 408, 429])
+def test_http_5xx_408_and_429_are_retried(fake, tmp_path, status):
+    fake.fail_next, fake.fail_status = 3, status
     a = Annotator(fake.url, tmp_path)
     a.send(CAPTIONS)
     assert a.wait_for(lambda: len(a.labels) == len(CAPTIONS))
     a.close()
-    assert a.labels == expected_labels()
+    assert a.labels == expected_labels() and "fatal" not in a.stats
     assert a.stats["failures"] == 3 and a.stats["requests"] == len(CAPTIONS) + 3
+
+
+@pytest.mark.parametrize("status", [400, 401, 404, 422])
+def test_other_4xx_are_fatal(fake, tmp_path, status):
+    fake.fail_next, fake.fail_status = 1000, status
+    a = Annotator(fake.url, tmp_path)
+    a.send(CAPTIONS)
+    a.thread.join(timeout=30)
+    assert not a.thread.is_alive()  # the annotator stopped asking
+    assert a.stats["fatal"] == f"HTTP {status} from {fake.url}/{'chat/' * ('instruct' in fake.model)}completions: " \
+                               "injected failure"
+    assert fake.requests <= annotator.CONCURRENCY and a.labels == {}
+
+
+def test_a_model_the_server_does_not_have_is_fatal(fake, tmp_path):
+    a = Annotator(fake.url, tmp_path, model=fake.model.replace("fake", "missing"))
+    a.send(CAPTIONS)
+    a.thread.join(timeout=30)
+    assert not a.thread.is_alive()
+    assert a.stats["fatal"].startswith("HTTP 404 from http://127.0.0.1:")
+    assert a.stats["fatal"].endswith(f"The model `{fake.model.replace('fake', 'missing')}` does not exist.")
+
+
+def test_a_template_that_cannot_be_filled_is_fatal(fake, tmp_path):
+    broken = {**annotator.PROMPTS, "label_user": 'Answer {"label": ...} for {caption}',
+              "label_completion": 'Answer {"label": ...} for {caption}'}
+    a = Annotator(fake.url, tmp_path, prompts=broken)
+    a.send(CAPTIONS)
+    a.thread.join(timeout=30)
+    assert not a.thread.is_alive() and fake.requests == 0
+    assert a.stats["fatal"].startswith("prompt template 'label_") and "KeyError" in a.stats["fatal"]
+
+
+def test_a_server_that_cannot_tokenize_leaves_answers_unrestricted_and_says_so(tmp_path, capsys):
+    fake = FakeOpenAI().start()
+    fake.tokenize_fails = 2  # a passing failure: retried
+    a = Annotator(fake.url, tmp_path)
+    a.send(CAPTIONS[:1])
+    assert a.wait_for(lambda: len(a.labels) == 1)
+    a.close()
+    assert a.stats["answers_restricted"] == 1 and fake.calls[-1][1]["logit_bias"]
+    fake.tokenize_fails = 1000
+    b = Annotator(fake.url, tmp_path)
+    b.send(CAPTIONS)
+    assert b.wait_for(lambda: len(b.labels) == len(CAPTIONS))  # the run goes on
+    b.close()
+    fake.stop()
+    assert b.stats["answers_restricted"] == 0 and b.labels == expected_labels()
+    assert fake.calls[-1][1]["logit_bias"] is None
+    assert capsys.readouterr().err.count("answers are not restricted") == 1
 
 
 def test_slow_server_times_out_then_recovers(fake, tmp_path):
@@ -171,7 +238,10 @@ def test_parse_label(text, label):
 
 @pytest.mark.parametrize("text,preference", [
     ('Both matter, but ("best_description": 2)', 2),
-    ('{"best_description": 1} ... ("best_description": 2)', 1),  # the first answer counts
+    ('{"best_description": 1} ... ("best_description": 2)', 2),  # the last answer counts
+    ('I must answer with ("best_description": 1) or ("best_description": 2). The kill matters: '
+     '("best_description": 2)', 2),
+    ('Format: ("best_description": 1|2|None). Neither: ("best_description": None)', None),
     ('("best_description": None)', None),
     ('best_description: "1"', 1),
     ("description 1 is better", annotator.UNPARSEABLE),
@@ -248,8 +318,8 @@ def test_ctrl_c_to_the_whole_process_group_saves_and_exits_cleanly(tmp_path):
     assert (run_dir / "checkpoint.pt").exists()
 
 
-def test_prompt_file_replaces_templates_and_bad_files_are_clear_errors(tmp_path, fake):
-    from types import SimpleNamespace
+def test_prompt_file_replaces_templates_and_bad_files_are_clear_errors(tmp_path):
+    fake = FakeOpenAI().start()
     custom = tmp_path / "prompts.json"
     custom.write_text(json.dumps({"label_completion": "Is this good in NetHack?\nMessage: {caption}\nProgress:"}))
     client = annotator.LabelClient(SimpleNamespace(prompt_file=str(custom), llm_url=[fake.url], llm_model=None))
@@ -260,8 +330,132 @@ def test_prompt_file_replaces_templates_and_bad_files_are_clear_errors(tmp_path,
     assert labeler.ask("You kill the newt!") == 1
     chat = annotator.Labeler([fake.url], "Llama-3.1-8B-Instruct", client.prompts, 5.0)
     chat.resolve_model()
+    fake.stop()
     assert chat.style == "chat" and labeler.style == "completion"
     broken = tmp_path / "broken.json"
     broken.write_text("{not json")
     with pytest.raises(SystemExit, match="cannot read --prompt-file"):
         annotator.LabelClient(SimpleNamespace(prompt_file=str(broken)))
+    braces = tmp_path / "braces.json"  # literal braces must be doubled for str.format
+    braces.write_text(json.dumps({"pair_user": 'Answer {"best_description": 1} for {first} / {second}'}))
+    with pytest.raises(SystemExit, match=r"^error: --prompt-file .*braces.json: prompt template 'pair_user': "
+                                         r"KeyError: '\"best_description\"'$"):
+        annotator.LabelClient(SimpleNamespace(prompt_file=str(braces)))
+    braces.write_text(json.dumps({"pair_user": 'Answer {{"best_description": 1}} for {first} / {second}'}))
+    assert annotator.LabelClient(SimpleNamespace(prompt_file=str(braces))).prompts["pair_user"].startswith("Answer {{")
+
+
+def client_args(url, **kw):
+    return SimpleNamespace(prompt_file=None, llm_url=[url] if url else [], llm_model=None, **kw)
+
+
+def test_check_restarts_a_dead_annotator_and_stops_the_run_on_a_fatal_error(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(annotator, "MAX_RESTARTS", 2)
+    fake = FakeOpenAI().start()
+    client = annotator.LabelClient(client_args(fake.url))
+    client.start(str(tmp_path), set())
+    records = []
+
+    def labelled(n):
+        deadline = time.time() + 60
+        while len(records) < n and time.time() < deadline:
+            records.extend(client.new_records())
+            client.check()
+            time.sleep(0.05)
+        return len(records) == n
+
+    try:
+        client.request(CAPTIONS[:2], [])
+        assert labelled(2)
+        client.process.kill()  # the annotator dies (not through close())
+        client.process.join()
+        client.check()
+        assert client.process.is_alive() and client.stats()["restarts"] == 1
+        assert "annotator: its process died (exit code -9), 1 times so far: restarting it" in capsys.readouterr().err
+        client.request(CAPTIONS, [])  # the learner re-sends what is unlabelled; done ones are not asked again
+        assert labelled(len(CAPTIONS)) and fake.requests == len(CAPTIONS)
+        assert client.stats()["labels"] == len(CAPTIONS)  # the counts go on across the restart
+        fake.fail_next, fake.fail_status = 1000, 404
+        client.request(["You hear a door open."], [])
+        with pytest.raises(SystemExit, match=r"^error: annotator: HTTP 404 from .*/v1/completions: injected failure$"):
+            labelled(len(CAPTIONS) + 1)
+        assert client.stats()["restarts"] == 1  # a fatal error is not a crash: no restart
+    finally:
+        client.close()
+        fake.stop()
+    assert client.stats()["restarts"] == 1 and client.stats()["fatal"].startswith("HTTP 404")
+
+    client = annotator.LabelClient(client_args("http://127.0.0.1:9/v1"))
+    client.start(str(tmp_path), set())
+    try:
+        for _ in range(2):
+            client.process.kill()
+            client.process.join()
+            client.check()
+        client.process.kill()
+        client.process.join()
+        with pytest.raises(SystemExit, match=r"^error: annotator: its process died \(exit code -9\), 3 times so far$"):
+            client.check()
+    finally:
+        client.close()
+
+
+def test_start_passes_threads_and_stops_the_server_when_start_up_fails(tmp_path, monkeypatch):
+    server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    calls = []
+    monkeypatch.setattr(llm_server, "start", lambda **kw: calls.append(kw) or (server, "http://127.0.0.1:9/v1"))
+
+    def broken_start(*args, **kw):
+        raise OSError("cannot start the Manager")
+    monkeypatch.setattr(annotator.multiprocessing.managers.SyncManager, "start", broken_start)
+    client = annotator.LabelClient(client_args(None, num_workers=3, llm_threads=None))
+    with pytest.raises(OSError, match="cannot start the Manager"):
+        client.start(str(tmp_path), set())
+    assert server.poll() is not None  # the embedded server did not outlive the failed start
+    assert calls[0]["threads"] is None and calls[0]["num_workers"] == 3
+
+
+def alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie is dead, just not reaped
+    except FileNotFoundError:
+        return False
+
+
+def test_llm_server_stop_ends_its_whole_process_group():
+    child = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(flush=True); time.sleep(60)"
+    leader = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', %r], stdout=subprocess.PIPE); "
+              "p.stdout.readline(); print(p.pid, flush=True); time.sleep(60)" % child)
+    server = subprocess.Popen([sys.executable, "-c", leader], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    engine = int(server.stdout.readline())  # like vLLM's engine: a child of the server, deaf to SIGTERM
+    llm_server.stop(server, timeout_s=2)
+    deadline = time.time() + 10
+    while alive(engine) and time.time() < deadline:
+        time.sleep(0.05)
+    assert server.poll() is not None and not alive(engine)
+
+
+def test_llm_server_threads_and_gpu_memory(tmp_path, monkeypatch):
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"")
+    monkeypatch.setattr(llm_server.os, "cpu_count", lambda: 16)
+
+    def threads(**kw):
+        command = llm_server.build_command("llama_cpp", str(model), "127.0.0.1", 1, **kw)
+        return command[command.index("--n_threads") + 1]
+    assert (threads(), threads(num_workers=12), threads(num_workers=20), threads(threads=3, num_workers=12)) == \
+        ("16", "4", "1", "3")  # the cores the env workers leave, at least one; --llm-threads wins
+    monkeypatch.setattr(llm_server.importlib.util, "find_spec", lambda name: object())
+    for kw, share in (({}, "0.5"), ({"gpu_memory_utilization": 0.3}, "0.3")):
+        command = llm_server.build_command("vllm", "org/Model-Instruct", "0.0.0.0", 1, **kw)
+        assert command[command.index("--gpu-memory-utilization") + 1] == share
+    started = []
+
+    def start(*args, **kw):
+        started.append(kw)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(llm_server, "start", start)
+    with pytest.raises(KeyboardInterrupt):
+        llm_server.main(["--backend", "vllm", "--model", "m", "--gpu-memory-utilization", "0.25"])
+    assert started[0]["gpu_memory_utilization"] == 0.25

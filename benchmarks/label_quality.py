@@ -1,14 +1,20 @@
 """Agreement of an LLM labeler with obvious labels on real NetHack messages.
 
-    python benchmarks/label_quality.py                 # the embedded default (starts it)
-    python benchmarks/label_quality.py --llm-url URL   # any OpenAI-compatible server
+    python benchmarks/label_quality.py --calibrate      # the embedded default (starts it)
+    python benchmarks/label_quality.py --unrestricted   # as when the server cannot tokenize Yes/No
+    python benchmarks/label_quality.py --llm-url URL    # any OpenAI-compatible server
 
-Each message's label is obvious under the paper's goal (score: kill monsters, collect gold,
-descend, level up; finding passages helps; misses, bites, walls, hunger and death do not).
-Prints agreement, the Yes-rate, and the messages it got wrong.
+The test messages are real NetHack messages whose label is obvious under the paper's goal (score:
+kill monsters, collect gold, descend, level up, find things; walls, traps, hunger and death do not
+help), and none is a near-copy of the completion prompt's few-shot examples (those would only
+measure copying). The dev set, only for choosing annotator.BIAS_TOWARDS_NO (--calibrate), shares no
+message with either. Prints agreement, the Yes-rate, which answer mode ran, and the messages it got
+wrong. With completion prompts a pair's preference is derived from its two messages' labels, so the
+pair figure restates the label agreement; with chat prompts it measures real pair prompts.
 """
 import argparse
 import os
+import re
 import sys
 import time
 
@@ -17,34 +23,35 @@ import annotator  # noqa: E402
 import llm_server  # noqa: E402
 
 GOOD = [
-    "You kill the newt!", "You kill the jackal!", "You kill the grid bug!", "You kill the sewer rat!",
-    "You destroy the kobold zombie!", "You kill the gnome lord!", "You kill the hill orc!",
-    "You kill the giant rat!", "You kill it!", "You destroy the gnome mummy!",
-    "You see here 23 gold pieces.", "You see here 4 gold pieces.", "There are 12 gold pieces here.",
-    "$ - 31 gold pieces.", "You see here 150 gold pieces.",
-    "Welcome to experience level 2.", "Welcome to experience level 4.", "Welcome to experience level 7.",
-    "You descend the stairs.", "There is a staircase down here.",
-    "You find a hidden passage.", "You find a hidden door.",
-    "You feel more confident in your weapon skills.", "You feel more confident in your combat skills.",
-    "You kill the fox!",
+    "You destroy the kobold zombie!", "You destroy the gnome mummy!", "You destroy the human zombie!",
+    "You feel more experienced.", "You feel more confident in your weapon skills.",
+    "You feel more confident in your combat skills.", "You find a hidden passage.", "You find a hidden door.",
+    "A trap door opens up under you!", "There's a gaping hole under you!", "You dig a hole through the floor.",
+    "There is a staircase down here.", "There is a ladder down here.", "$ - 31 gold pieces.", "$ - a gold piece.",
+    "You see here a scroll labeled ELBIB YLOH.", "You see here a jade ring.", "You see here a bag.",
+    "You see here an oak wand.", "You see here a long sword.", "You see here a circular amulet.",
+    "You see here a blue gem.", "f - a scroll labeled FOOBIE BLETCH.", "g - a runed dagger.", "h - a lamp.",
 ]
 BAD = [
-    "It's a wall.", "It's solid stone.", "You miss the newt.", "You miss the jackal.",
-    "The jackal bites!", "The newt bites!", "The grid bug bites!", "The sewer rat bites!",
-    "You are beginning to feel hungry.", "You are beginning to feel weak.", "You die...",
-    "Never mind.", "You can't go down here.", "You can't go up here.", "Unknown command '^M'.",
-    "You don't have anything to eat.", "Ouch!  You bump into a door.", "This door is locked.",
-    "You hear some noises in the distance.", "You stumble.", "You faint from lack of food.",
-    "The jackal hits!", "You are hit by an arrow!", "You see no objects here.",
-    "There is nothing here to pick up.",
+    "It's a wall.", "It's solid stone.", "You are beginning to feel hungry.", "You are beginning to feel weak.",
+    "You die...", "Never mind.", "You can't go down here.", "This door is locked.",
+    "You don't have anything to eat.", "Ouch!  You bump into a door.", "You hear some noises in the distance.",
+    "You faint from lack of food.", "A trapdoor in the ceiling opens and a rock falls on your head!",
+    "An arrow shoots out at you!", "You see no objects here.", "There is nothing here to pick up.",
+    "You stumble into a spider web.", "A bear trap closes on your foot!", "You are frozen by the floating eye's gaze!",
+    "You have a sad feeling for a moment, then it passes.", "A gush of water hits you!",
+    "Click! You trigger a rolling boulder trap!", "You try to move the boulder, but in vain.",
+    "Wait!  That's a small mimic!", "You feel feverish.",
 ]
-# A separate development set, only for choosing annotator.NO_BIAS (--calibrate).
-DEV_GOOD = ["You kill the lichen!", "You kill the gnome!", "You destroy the ghoul!", "You kill the dingo!",
-            "You see here 61 gold pieces.", "You see here 2 gold pieces.", "Welcome to experience level 6.",
-            "You kill the homunculus!", "There are 40 gold pieces here.", "Welcome to experience level 9."]
-DEV_BAD = ["The gnome hits!", "You miss the lichen.", "The lichen touches you!", "It's a doorway.",
-           "You hear a door open.", "This door is broken.", "You can't move diagonally out of an intact doorway.",
-           "The dingo bites!", "You feel a little sleepy.", "You hear bubbling water."]
+DEV_GOOD = ["You destroy the ghoul!", "You destroy the wraith!", "$ - 57 gold pieces.", "$ - 2 gold pieces.",
+            "You see here a pick-axe.", "You see here a glass wand.", "You see here a violet gem.", "h - a pick-axe.",
+            "i - a scroll labeled READ ME.", "You see here a crystal plate mail."]
+DEV_BAD = ["There is a doorway here.", "This door is broken.", "You can't move diagonally out of an intact doorway.",
+           "Your purse feels lighter.", "You hear bubbling water.", "You swap places with your kitten.",
+           "Something is written here in the dust.", "You feel a wrenching sensation.",
+           "You hear the splashing of a naiad.", "You are caught in a bear trap."]
+SHOTS = set(re.findall(r"^Message: (.*)$", annotator.PROMPTS["label_completion"], re.M)) - {"{caption}"}
+assert not SHOTS & set(GOOD + BAD + DEV_GOOD + DEV_BAD) and not set(GOOD + BAD) & set(DEV_GOOD + DEV_BAD)
 
 
 def agreement(labeler, good, bad):
@@ -62,9 +69,11 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--llm-url", default=None, help="an OpenAI-compatible base URL (default: embedded)")
     parser.add_argument("--model", default=None, help="model name (default: the server's first)")
-    parser.add_argument("--calibrate", action="store_true", help="sweep NO_BIAS on the dev set first")
+    parser.add_argument("--calibrate", action="store_true", help="sweep BIAS_TOWARDS_NO on the dev set first")
+    parser.add_argument("--unrestricted", action="store_true", help="do not restrict a base model's answer to "
+                        "Yes/No (what the annotator falls back to when the server cannot tokenize)")
     args = parser.parse_args()
-    NO_BIAS = annotator.NO_BIAS
+    chosen = annotator.BIAS_TOWARDS_NO
     server = None
     url = args.llm_url
     if url is None:
@@ -72,12 +81,15 @@ def main():
     try:
         labeler = annotator.Labeler([url], args.model, annotator.PROMPTS, annotator.TIMEOUT_S)
         model = labeler.resolve_model()
-        if args.calibrate:
+        if args.unrestricted:
+            labeler.token_ids, labeler.restricted = {}, False
+        restricted = labeler.style == "completion" and labeler.restricted
+        if args.calibrate and restricted:
             for bias in (0.0, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0):
-                annotator.NO_BIAS = bias
+                annotator.BIAS_TOWARDS_NO = bias
                 acc, yes, _ = agreement(labeler, DEV_GOOD, DEV_BAD)
-                print(f"dev: NO_BIAS {bias:4.2f} agreement {acc:.0%} yes {yes:.0%}", flush=True)
-            annotator.NO_BIAS = NO_BIAS
+                print(f"dev: BIAS_TOWARDS_NO {bias:4.2f} agreement {acc:.0%} yes {yes:.0%}", flush=True)
+            annotator.BIAS_TOWARDS_NO = chosen
         start = time.time()
         accuracy, yes_rate, wrong = agreement(labeler, GOOD, BAD)
         elapsed = time.time() - start
@@ -89,11 +101,15 @@ def main():
         if server is not None:
             llm_server.stop(server)
     n = len(GOOD) + len(BAD)
-    print(f"model {model} ({labeler.style} prompts) at {url}, NO_BIAS {annotator.NO_BIAS}")
+    mode = ("chat prompts, answer parsed from the <label> tag" if labeler.style == "chat" else
+            f"completion prompts, answer restricted to Yes/No, BIAS_TOWARDS_NO {chosen}" if restricted else
+            "completion prompts, answer NOT restricted to Yes/No")
+    print(f"model {model} at {url}: {mode}")
     print(f"agreement {accuracy:.1%} on {n} messages ({len(GOOD)} good, {len(BAD)} bad); "
           f"said yes to {yes_rate:.0%}; {elapsed / n * 1000:.0f} ms a label")
-    print(f"pairs (one helpful, one not; both orders): {right / len(pairs):.0%} prefer the helpful one, "
-          f"{ties / len(pairs):.0%} ties, {1 - (right + ties) / len(pairs):.0%} prefer the other")
+    source = "derived from the two labels" if labeler.style == "completion" else "asked as pairs"
+    print(f"pairs (one helpful, one not; both orders; {source}): {right / len(pairs):.0%} prefer the helpful "
+          f"one, {ties / len(pairs):.0%} ties, {1 - (right + ties) / len(pairs):.0%} prefer the other")
     for message, truth, answer in wrong:
         shown = "unparseable" if answer is annotator.UNPARSEABLE else answer
         print(f"  wrong: {message!r} expected {truth}, got {shown}")

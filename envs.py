@@ -32,10 +32,8 @@ ITEM_PROMPT = re.compile(rb"What do you want to (?:eat|drink)\? \[([a-zA-Z])")
 AGENT_QUESTIONS = (b"eat", b"drink", b"attack", b"direction?", b"pray")
 DESCEND_MESSAGE = b"You descend the stairs."
 SKILL_MESSAGE = b"You feel more confident in"
-KILL_MESSAGE = re.compile(rb"You (?:kill|destroy) ")  # not "is killed": the pet's kills
+KILL_MESSAGE = re.compile(rb"You (?:kill|destroy) ")  # not "is killed"/"kills": the pet's kills
 ESC, SPACE, CAST, ENHANCE = 27, ord(" "), int(nethack.Command.CAST), int(nethack.Command.ENHANCE)
-STAIRS_KEYS = (int(nethack.MiscDirection.DOWN), int(nethack.MiscDirection.UP))
-EXPLORED_EVERY = 8  # steps between counts of seen cells (also counted before taking stairs)
 STONE_GLYPH = nethack.GLYPH_CMAP_OFF  # unexplored cells show the "dark part of a room"/stone glyph
 
 # goal: "score" (score delta with a frozen-time penalty), ("depth", n) or "oracle" (+50 and end).
@@ -58,11 +56,11 @@ def message_bytes(message: np.ndarray) -> bytes:
     return raw if end < 0 else raw[:end]
 
 
-def _oracle_glyph() -> int:
+def monster_glyph(name: str) -> int:
     for glyph in range(nethack.GLYPH_MON_OFF, nethack.GLYPH_PET_OFF):
-        if nethack.permonst(nethack.glyph_to_mon(glyph)).mname == "Oracle":
+        if nethack.permonst(nethack.glyph_to_mon(glyph)).mname == name:
             return glyph
-    raise RuntimeError("NLE has no Oracle monster glyph")
+    raise RuntimeError(f"NLE has no {name} monster glyph")
 
 
 class NetHackTask(base.NLE):
@@ -76,7 +74,7 @@ class NetHackTask(base.NLE):
         super().__init__(character=character, max_episode_steps=max_episode_steps,
                          observation_keys=OBS_KEYS, actions=ACTIONS, **nle_kwargs)
         self.task, self.goal = task, TASKS[task]
-        self.oracle_glyph = _oracle_glyph() if self.goal == "oracle" else None
+        self.oracle_glyph = monster_glyph("Oracle") if self.goal == "oracle" else None
         self._seeds = np.random.default_rng(seed) if seed is not None else None
         self._keys = tuple(int(a) for a in ACTIONS)
         self._obs_index = [self._observation_keys.index(k) for k in OBS_KEYS]
@@ -89,20 +87,18 @@ class NetHackTask(base.NLE):
             core, disp = (int(s) for s in self._seeds.integers(1, 2**62, size=2))
             super().seed(core, disp, reseed=False)
         obs, _ = super().reset(options=options)
-        self._item_key = None
+        self._item_key, self._texts = None, []
         self._message_counts = {}
         self._kills, self._return, self._max_depth = 0, 0.0, 1
         self._explored = {}
-        self._count_explored(self.last_observation, self.last_observation[self._blstats_index].tolist())
         text = message_bytes(self.last_observation[self._message_index])
         return obs, {"message_count": self._count_message(text)}
 
     def step(self, action: int):
         previous = self.last_observation[self._blstats_index].tolist()
-        key = self._keys[action]
-        if key in STAIRS_KEYS:  # the map of the level we may leave: count it while it is there
-            self._count_explored(self.last_observation, previous)
-        observation, done = self._send_action(action, key)
+        # NLE refills its arrays in place: keep the map (cheaper than counting it every step)
+        self._map = self.last_observation[self._glyph_index].tobytes()
+        observation, done = self._send_action(action, self._keys[action])
         self._steps += 1
         self.last_observation = observation
         blstats = observation[self._blstats_index].tolist()
@@ -120,10 +116,13 @@ class NetHackTask(base.NLE):
         truncated = not done and not success and self._steps >= self._max_episode_steps
         text = message_bytes(observation[self._message_index])
         info = {"message_count": self._count_message(text)}
+        self._kills += len(KILL_MESSAGE.findall(b"\n".join(self._texts)))
         obs = self._get_observation(observation)
-        if done or success or truncated or self._steps % EXPLORED_EVERY == 0:
-            self._count_explored(observation, blstats)
+        # a new level (stairs, trap door, level teleport; or the game's end, which zeroes the stats)
+        if blstats[DLEVEL] != previous[DLEVEL] or blstats[DNUM] != previous[DNUM]:
+            self._count_explored(np.frombuffer(self._map, np.int16), previous)  # the level left
         if done or success or truncated:
+            self._count_explored(observation[self._glyph_index], blstats)
             info["episode"] = self._episode_stats(stats, success)
         if (success or truncated) and not done:
             # NLE refills its arrays in place: keep the last real observation (a truncated
@@ -137,6 +136,7 @@ class NetHackTask(base.NLE):
 
     # -- extended actions ----------------------------------------------------------------------
     def _send_action(self, action: int, key: int):
+        self._texts = []
         if self._item_key is not None:  # we stopped at "What do you want to eat/drink?"
             key = self._item_key if action == CONFIRM_ACTION else SPACE
             self._item_key = None
@@ -144,7 +144,8 @@ class NetHackTask(base.NLE):
         if key == CAST and not done and not observation[self._message_index].any():
             observation, done = self.nethack.step(ord("a"))  # the spell menu is up: first spell
         observation, done = self._answer_prompts(observation, done)
-        if not done and SKILL_MESSAGE in message_bytes(observation[self._message_index]):
+        # NetHack says it once, maybe on a --More-- page: missed, the skill never advances
+        if not done and SKILL_MESSAGE in b"\n".join(self._texts):
             observation, done = self.nethack.step(ENHANCE)
             if not done:
                 observation, done = self.nethack.step(ord("a"))  # advance the first skill offered
@@ -152,19 +153,21 @@ class NetHackTask(base.NLE):
         return observation, done
 
     def _answer_prompts(self, observation, done):
-        """Skip --More-- (keeping the stairs message), ESC text prompts and y/n questions except the
-        agent's own; note the first item letter of an eat/drink prompt."""
-        kept_message = None
+        """Skip --More-- (keeping the stairs message, or at the game's end its last words), ESC text
+        prompts and y/n questions except the agent's own; note the first item letter of an
+        eat/drink prompt. Every message shown, each page's too, goes to `_texts`."""
+        kept = None
         while not done:
-            internal, message = observation[self._internal_index], observation[self._message_index]
+            internal = observation[self._internal_index]
+            text = message_bytes(observation[self._message_index])
+            self._texts.append(text)
             if internal[3]:  # xwaitforspace: --More--
-                if DESCEND_MESSAGE in message_bytes(message):
-                    kept_message = message.copy()
+                if DESCEND_MESSAGE in text:
+                    kept = text
                 observation, done = self.nethack.step(SPACE)
             elif internal[2]:  # getlin: a line of text
                 observation, done = self.nethack.step(ESC)
             elif internal[1]:  # yn_function: a single-character question
-                text = message_bytes(message)
                 if not any(q in text for q in AGENT_QUESTIONS):
                     observation, done = self.nethack.step(ESC)
                     continue
@@ -173,8 +176,11 @@ class NetHackTask(base.NLE):
                 break
             else:
                 break
-        if kept_message is not None and not done:
-            observation[self._message_index][:] = kept_message
+        message = observation[self._message_index]
+        if done and not message.any():  # a game ends on the empty pages of its last windows
+            kept = next((text for text in reversed(self._texts) if text), None)  # "You die..."
+        if kept is not None:
+            message[:] = np.frombuffer(kept.ljust(MESSAGE_LEN, b"\0"), np.uint8)
         return observation, done
 
     # -- task success and statistics -----------------------------------------------------------
@@ -190,15 +196,13 @@ class NetHackTask(base.NLE):
 
     def _count_message(self, text: bytes) -> int:
         count = self._message_counts[text] = self._message_counts.get(text, 0) + 1
-        if text.startswith(b"You ") and KILL_MESSAGE.match(text):
-            self._kills += 1
         return count
 
-    def _count_explored(self, observation, blstats):
-        """Seen cells of the current level; a level's map only grows, so keep the maximum."""
+    def _count_explored(self, glyphs, blstats):
+        """Seen cells of a level, counted as we leave it and at the end (its map only grows)."""
         if blstats[TIME]:
             level = (blstats[DNUM], blstats[DLEVEL])
-            seen = int(np.count_nonzero(observation[self._glyph_index] != STONE_GLYPH))
+            seen = int(np.count_nonzero(glyphs != STONE_GLYPH))
             self._explored[level] = max(seen, self._explored.get(level, 0))
 
     def _episode_stats(self, stats, success) -> dict:

@@ -11,6 +11,13 @@ import envs
 DOWN = envs.ACTIONS.index(nethack.MiscDirection.DOWN)
 SEARCH = envs.ACTIONS.index(nethack.Command.SEARCH)
 EAT = envs.ACTIONS.index(nethack.Command.EAT)
+PRAY = envs.ACTIONS.index(nethack.Command.PRAY)
+COMPASS = {(0, -1): "N", (1, -1): "NE", (1, 0): "E", (1, 1): "SE", (0, 1): "S", (-1, 1): "SW",
+           (-1, 0): "W", (-1, -1): "NW"}
+
+
+def move(dx, dy):
+    return envs.ACTIONS.index(nethack.CompassDirection[COMPASS[dx, dy]])
 
 
 def text(obs):
@@ -178,3 +185,74 @@ def _step_in_child(task):
 def test_make_env_works_under_spawn():
     with mp.get_context("spawn").Pool(1) as pool:
         assert pool.apply(_step_in_child, ("NetHackStaircaseExtendedActions-v1",)) == 0.0
+
+
+def test_kills_and_the_skill_message_count_on_every_page():
+    """A fight arena: the monk kills hostile newts two at a time; the bites that follow push her
+    messages onto --More-- pages and mid-line, "You feel more confident in ..." once among them."""
+    env = envs.make_env("NetHackScoreExtendedActions-v1", seed=0, wizard=True,
+                        options=nethack.NETHACKOPTIONS + ("pettype:none",))  # all kills are hers
+    env.reset()
+    shown, step = [], env.nethack.step  # (key, message then shown) for every key sent to NetHack
+
+    def traced(key):
+        observation, done = step(key)
+        shown.append((key, envs.message_bytes(observation[env._message_index])))
+        return observation, done
+    env.nethack.step = traced
+    newt, skill_steps = envs.monster_glyph("newt"), 0
+    for _ in range(14):
+        raw_keys(env, [nethack.C("g"), *b"hostile newt\r"] * 2)
+        env.last_observation, _ = env._answer_prompts(env.last_observation, False)
+        for _ in range(60):
+            x, y = env.last_observation[env._blstats_index][:2]
+            newts = np.argwhere(env.last_observation[env._glyph_index] == newt)
+            if not len(newts):
+                break
+            adjacent = [(nx - x, ny - y) for ny, nx in newts if max(abs(nx - x), abs(ny - y)) == 1]
+            shown.clear()
+            obs, *_ = env.step(move(*adjacent[0]) if adjacent else SEARCH)
+            if any(envs.SKILL_MESSAGE in message for _, message in shown):
+                assert envs.SKILL_MESSAGE not in text(obs)  # it was on a --More-- page
+                # the enhance is sent (wizard mode then asks "Advance skills without practice?")
+                assert envs.ENHANCE in [key for key, _ in shown]
+                skill_steps += 1
+    assert skill_steps == 1
+    assert env._kills == 28  # every newt
+    pets_kill = b"The little dog kills the newt.  You kill the jackal!"
+    assert len(envs.KILL_MESSAGE.findall(pets_kill)) == 1
+    env.close()
+
+
+def test_explored_counts_a_level_left_through_a_trap_door():
+    env = envs.make_env("NetHackScoreExtendedActions-v1", seed=0, wizard=True, max_episode_steps=3)
+    env.reset()
+    raw_keys(env, [nethack.C("f")])  # map the level: many more cells seen than at the start
+    env.step(move(1, 0))  # off the up stairs, where no trap can be made
+    raw_keys(env, [nethack.C("w"), *b"trap door\r"])
+    obs, *_ = env.step(move(1, 0))
+    level_1 = np.count_nonzero(obs["glyphs"] != envs.STONE_GLYPH)
+    obs, _, _, truncated, info = env.step(move(-1, 0))  # back onto the trap door, and down
+    assert obs["blstats"][nethack.NLE_BL_DLEVEL] == 2
+    level_2 = np.count_nonzero(obs["glyphs"] != envs.STONE_GLYPH)
+    assert truncated and info["episode"]["explored"] == level_1 + level_2
+    env.close()
+
+
+@pytest.mark.parametrize("character,seed,actions,last_words", [
+    # random play: a sewer rat kills her on step 367
+    ("hea-gno-neu-fem", 6, np.random.default_rng(6).integers(28, size=400), b"You die..."),
+    # prayers too soon anger the god, who strikes on the third
+    ("mon-hum-neu-mal", 0, [PRAY, envs.CONFIRM_ACTION] * 3,
+     b"Suddenly, a bolt of lightning strikes you!  You fry to a crisp!")], ids=["monster", "god"])
+def test_a_death_shows_its_last_words(character, seed, actions, last_words):
+    """NLE's last observation of a game shows the empty end-of-game windows; the learner scores the
+    terminal step by its message, so it must be the death's."""
+    env = envs.make_env("NetHackScoreExtendedActions-v1", seed=seed, character=character)
+    env.reset()
+    for action in actions:
+        obs, _, terminated, _, info = env.step(int(action))
+        if terminated:
+            break
+    assert terminated and text(obs) == last_words and info["message_count"] == 1
+    env.close()

@@ -7,11 +7,13 @@ shared-memory rollout buffers; this process runs batched inference on whichever 
 while a learner thread trains on full rollouts; `annotator.py` (a subprocess) asks the LLM server
 about the messages the agent sees. See README.md.
 """
+import collections
 import dataclasses
 import json
 import multiprocessing.connection
 import os
 import queue
+import random
 import signal
 import sys
 import threading
@@ -69,6 +71,8 @@ class Args:
     """clip of the scaled env reward"""
     count_beta: float = 3.0
     """beta in the count normalization 1/N^beta (N: times the message was seen this episode)"""
+    max_episode_steps: int = envs.MAX_EPISODE_STEPS
+    """time limit of an episode in steps (truncated, bootstrapped); NLE's default 5000"""
     raw_ranking: bool = False
     """ranking: use the reward model's raw output, as the reference code did, instead of the
     running-normalized, median-thresholded one"""
@@ -77,6 +81,8 @@ class Args:
     across them. Empty: start the embedded CPU server (llm_server.py) when the reward type needs one"""
     llm_model: str | None = None
     """model name to ask for (default: the first one the server lists)"""
+    llm_threads: int | None = None
+    """CPU threads of the embedded LLM server (default: the cores left over by the env workers, >= 1)"""
     prompt_file: str | None = None
     """JSON file with your own prompt templates (see annotator.py)"""
     labels_from: str | None = None
@@ -100,7 +106,8 @@ class Args:
 
 
 # Flags that a resumed run takes from its command line; all others come from the checkpoint.
-RESUME_OVERRIDES = ("total_env_steps", "num_workers", "device", "track", "llm_url", "checkpoint_every_s")
+RESUME_OVERRIDES = ("total_env_steps", "num_workers", "device", "track", "llm_url", "llm_threads",
+                    "checkpoint_every_s")
 CROP = 12  # the paper's crop of the map around the agent
 ENDS = {"running": 0, "terminated": 1, "truncated": 2, "reset": 3}  # per-transition end codes
 
@@ -208,14 +215,15 @@ def vtrace_targets(end, rewards, values, ratio, gamma):
 
 
 def appo_loss(agent, batch, rewards, args):
-    """Clipped PPO surrogate on V-trace advantages (rho_bar = c_bar = 1), value loss, entropy."""
+    """Clipped PPO surrogate on V-trace advantages (rho_bar = c_bar = 1), value loss, entropy; the
+    coefficients and the ratio's safety clamp of sample-factory v1, which ONI used."""
     end = batch["end"]
     cuts = episode_cut(end)
     valid = (end != ENDS["reset"]).float()  # a reset step is no transition of the policy
     logits, values = agent.unroll(batch["obs"], batch["h0"], cuts)
     log_probs = torch.log_softmax(logits[:-1], dim=-1)
     new_logp = log_probs.gather(-1, batch["action"][..., None]).squeeze(-1)
-    ratio = torch.exp(new_logp - batch["logprob"])
+    ratio = torch.exp(new_logp - batch["logprob"]).clamp(0.05, 20.0)  # far-off ratios are noise
     with torch.no_grad():
         vs, advantages = vtrace_targets(end, rewards, values, ratio, args.gamma)
         n = valid.sum().clamp(min=1)
@@ -225,7 +233,7 @@ def appo_loss(agent, batch, rewards, args):
     low, high = 1.0 / (1.0 + args.clip_coef), 1.0 + args.clip_coef
     surrogate = torch.min(ratio * advantages, ratio.clamp(low, high) * advantages)
     policy_loss = -(surrogate * valid).sum() / n
-    value_loss = 0.5 * (((values[:-1] - vs) ** 2) * valid).sum() / n
+    value_loss = (((values[:-1] - vs) ** 2) * valid).sum() / n
     entropy = (-(log_probs.exp() * log_probs).sum(-1) * valid).sum() / n
     loss = policy_loss + args.vf_coef * value_loss - args.ent_coef * entropy
     return loss, {"policy_loss": policy_loss.item(), "value_loss": value_loss.item(),
@@ -246,7 +254,10 @@ def make_buffers(num_buffers, rollout, n):
         "colors": shared(steps, n, 21, 79, dtype=torch.uint8),
         "blstats": shared(steps, n, 27, dtype=torch.float32),
         "message": shared(steps, n, envs.MESSAGE_LEN, dtype=torch.uint8),
-        "message_count": shared(steps, n, dtype=torch.int32),
+        # the message each step produced and N, its count in the episode: the intrinsic reward's
+        # input. It differs from message[t + 1] when the episode ended and the env was reset.
+        "step_message": shared(rollout, n, envs.MESSAGE_LEN, dtype=torch.uint8),
+        "step_count": shared(rollout, n, dtype=torch.int32),
         "action": shared(rollout, n, dtype=torch.int64),
         "logprob": shared(rollout, n, dtype=torch.float32),
         "reward": shared(rollout, n, dtype=torch.float32),
@@ -259,22 +270,22 @@ def make_buffers(num_buffers, rollout, n):
 OBS_FIELDS = ("chars", "colors", "blstats", "message")
 
 
-def env_worker(index, task, seed, num_envs, buffers, conn):
+def env_worker(index, task, seed, num_envs, buffers, conn, max_episode_steps=envs.MAX_EPISODE_STEPS):
     """Steps half of its envs per command (half, buffer, t): with the actions at [buffer, t] it
-    writes rewards and end codes at t and the next observations at t+1 (t=-1: reset, write at 0).
-    A truncated episode shows its last observation; its next step resets (end code "reset")."""
+    writes rewards, end codes and the step's own message at t and the next observations at t+1
+    (t=-1: reset, write at 0). A death or success resets at once, so obs t+1 starts the next episode;
+    a truncated episode shows its last observation and resets on its next step (end code "reset")."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process handles Ctrl-C
     torch.set_num_threads(1)
     bufs = {k: v.numpy() for k, v in buffers.items()}
     half_size = num_envs // 2
     seeds = [seed + index * num_envs + i for i in range(num_envs)]
-    pool = [envs.make_env(task, seed=s) for s in seeds]
+    pool = [envs.make_env(task, seed=s, max_episode_steps=max_episode_steps) for s in seeds]
     needs_reset, crashes = [False] * num_envs, [0] * num_envs
 
-    def write(b, t, j, obs, count):
+    def write(b, t, j, obs):
         for k in OBS_FIELDS:
             bufs[k][b, t, j] = obs[k]
-        bufs["message_count"][b, t, j] = count
 
     while True:
         try:
@@ -289,19 +300,21 @@ def env_worker(index, task, seed, num_envs, buffers, conn):
             i = half * half_size + j
             try:
                 if t < 0:
-                    obs, info = pool[i].reset()
-                    write(b, 0, j, obs, info["message_count"])
+                    write(b, 0, j, pool[i].reset()[0])
                     continue
+                bufs["step_message"][b, t, j], bufs["step_count"][b, t, j] = 0, 1  # a reset step: no message
                 if needs_reset[i]:
                     needs_reset[i] = False
-                    (obs, info), reward, end = pool[i].reset(), 0.0, ENDS["reset"]
+                    (obs, _), reward, end = pool[i].reset(), 0.0, ENDS["reset"]
                 else:
                     obs, reward, terminated, truncated, info = pool[i].step(bufs["action"][b, t, j])
                     end = ENDS["terminated"] if terminated else ENDS["truncated"] if truncated else 0
+                    bufs["step_message"][b, t, j] = obs["message"]  # before a reset refills it
+                    bufs["step_count"][b, t, j] = info["message_count"]
                     if terminated or truncated:
                         episodes.append(info["episode"])
                     if terminated:
-                        obs, info = pool[i].reset()
+                        obs, _ = pool[i].reset()
                     needs_reset[i] = truncated
             except Exception as error:  # a crashed game must not stop the run: replace it
                 print(f"worker {index}: env {i} crashed ({error!r}); recreating it", file=sys.stderr)
@@ -310,12 +323,14 @@ def env_worker(index, task, seed, num_envs, buffers, conn):
                 except Exception:
                     pass
                 crashes[i] += 1
-                pool[i] = envs.make_env(task, seed=seeds[i] + 1_000_003 * crashes[i])
-                (obs, info), reward, end, needs_reset[i] = pool[i].reset(), 0.0, ENDS["reset"], False
+                pool[i] = envs.make_env(task, seed=seeds[i] + 1_000_003 * crashes[i],
+                                        max_episode_steps=max_episode_steps)
+                (obs, _), reward, end, needs_reset[i] = pool[i].reset(), 0.0, ENDS["reset"], False
                 if t < 0:
-                    write(b, 0, j, obs, info["message_count"])
+                    write(b, 0, j, obs)
                     continue
-            write(b, t + 1, j, obs, info["message_count"])
+                bufs["step_message"][b, t, j], bufs["step_count"][b, t, j] = 0, 1
+            write(b, t + 1, j, obs)
             bufs["reward"][b, t, j] = reward
             bufs["end"][b, t, j] = end
         conn.send((half, episodes))
@@ -421,7 +436,9 @@ def evaluate(args):
     load_model(agent, checkpoint["model"], path)
     agent.eval()
     n = min(args.eval_episodes, 16)
-    pool = [envs.make_env(saved.task, seed=10_000_019 * (saved.seed + 1) + i) for i in range(n)]
+    pool = [envs.make_env(saved.task, seed=10_000_019 * (saved.seed + 1) + i,
+                          max_episode_steps=saved.max_episode_steps)
+            for i in range(n)]
     obs = [env.reset()[0] for env in pool]
     h = torch.zeros(n, agent.hidden_size, device=device)
     results, started = [], n
@@ -474,13 +491,16 @@ class Logger:
 
 def train(args):
     os.makedirs(args.run_dir, exist_ok=True)
-    torch.manual_seed(args.seed)
+    random.seed(args.seed)
     np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
     device = pick_device(args.device)
     T, n = args.rollout, args.num_envs_per_worker // 2
     num_slots = 2 * args.num_workers
     per_batch = args.batch_size // (T * n)
-    num_buffers = num_slots + 2 * per_batch  # slots in flight + one batch learning + one queued
+    # slots in flight + one batch: the learner copies a batch out and frees its buffers at once, so
+    # one more batch fills while it learns. More would only queue data that grows older (policy lag).
+    num_buffers = num_slots + per_batch
 
     agent, actor = Agent().to(device), Agent().to(device)
     optimizer = torch.optim.Adam(agent.parameters(), lr=args.lr, eps=1e-5)
@@ -505,7 +525,7 @@ def train(args):
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=env_worker, daemon=True,
                            args=(w, args.task, args.seed * 1_000_003 + counters["updates"],
-                                 args.num_envs_per_worker, buffers, child))
+                                 args.num_envs_per_worker, buffers, child, args.max_episode_steps))
         proc.start()
         conns.append(parent)
         workers.append(proc)
@@ -514,12 +534,25 @@ def train(args):
     for b in range(num_buffers):
         free.put(b)
     version = [counters["updates"]]  # the actor's policy version; one learner update = +1
-    weights_lock, stop = threading.Lock(), threading.Event()
-    stats = {"lag_mean": 0.0, "lag_max": 0, "losses": {}, "error": None}
+    # weights_lock: the optimizer step, the inference copy and the counters change together, and
+    # checkpoints (taken by the learner between updates) always see a whole update
+    weights_lock, stop, checkpoint_due = threading.Lock(), threading.Event(), threading.Event()
+    # the learner's per-update figures, drained by each progress log (a deque is thread-safe)
+    stats = {"updates": collections.deque(), "losses": {}, "error": None}
+
+    def checkpoint():
+        with weights_lock:
+            state = {"model": agent.state_dict(), "optimizer": optimizer.state_dict(),
+                     "counters": dict(counters), "args": dataclasses.asdict(args),
+                     "intrinsic": intrinsic.state_dict()}
+        save_checkpoint(os.path.join(args.run_dir, "checkpoint.pt"), state)
 
     def learner():
         try:
             while not stop.is_set():
+                if checkpoint_due.is_set():
+                    checkpoint_due.clear()
+                    checkpoint()
                 try:
                     ids = [full.get(timeout=0.5)]
                 except queue.Empty:
@@ -538,34 +571,35 @@ def train(args):
                 batch = {"obs": {k: gather(k) for k in OBS_FIELDS},
                          "action": gather("action"), "logprob": gather("logprob"), "end": gather("end"),
                          "h0": buffers["h0"][index].flatten(0, 1).to(device)}
-                env_reward, message_count = gather("reward"), gather("message_count")
+                env_reward, step_message, step_count = gather("reward"), gather("step_message"), gather("step_count")
                 lag = version[0] - buffers["version"][index].float()
                 for b in ids:
                     free.put(b)
                 started = time.perf_counter()
-                rewards, reward_stats = intrinsic.rewards(env_reward, batch["obs"]["message"][1:],
-                                                          message_count[1:])
+                rewards, reward_stats = intrinsic.rewards(env_reward, step_message, step_count,
+                                                          batch["end"] == ENDS["terminated"])
                 intrinsic_done = time.perf_counter()
                 loss, losses = appo_loss(agent, batch, rewards, args)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 losses["grad_norm"] = nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm).item()
-                optimizer.step()
+                with weights_lock:
+                    optimizer.step()
+                    actor.load_state_dict(agent.state_dict())
+                    version[0] += 1
+                    counters["updates"] += 1
                 policy_done = time.perf_counter()
-                losses.update(reward_stats)
                 losses.update(intrinsic.train_step())
                 # where the learner's time goes (tensorboard losses/time_*)
                 losses.update(time_intrinsic_s=intrinsic_done - started, time_policy_s=policy_done - intrinsic_done,
                               time_reward_model_s=time.perf_counter() - policy_done)
-                with weights_lock:
-                    actor.load_state_dict(agent.state_dict())
-                    version[0] += 1
-                    counters["updates"] += 1
-                    stats.update(lag_mean=lag.mean().item(), lag_max=int(lag.max().item()), losses=losses)
-        except Exception as error:  # surface learner crashes in the main thread
+                stats["losses"] = losses
+                stats["updates"].append(dict(reward_stats, lag_mean=lag.mean().item(), lag_max=lag.max().item()))
+        except BaseException as error:  # surface learner crashes (and fatal LLM errors) in the main thread
             stats["error"] = error
             stop.set()
-            raise
+            if not isinstance(error, SystemExit):
+                raise
 
     learner_thread = threading.Thread(target=learner, daemon=True)
     learner_thread.start()
@@ -578,16 +612,11 @@ def train(args):
     signal.signal(signal.SIGINT, request_stop)
     signal.signal(signal.SIGTERM, request_stop)
 
-    def checkpoint():
-        with weights_lock:
-            state = {"model": agent.state_dict(), "optimizer": optimizer.state_dict(),
-                     "counters": dict(counters), "args": dataclasses.asdict(args),
-                     "intrinsic": intrinsic.state_dict()}
-            save_checkpoint(os.path.join(args.run_dir, "checkpoint.pt"), state)
-
     # Each slot is one half of one worker's envs, with its buffer, step t and GRU state.
     slot_buffer, slot_t = [free.get() for _ in range(num_slots)], [0] * num_slots
     hidden = torch.zeros(num_slots, n, agent.hidden_size, device=device)
+    samplers = [torch.Generator().manual_seed(args.seed * 1_000_003 + 7919 * s + counters["updates"])
+                for s in range(num_slots)]
     for s in range(num_slots):
         buffers["h0"][slot_buffer[s]] = 0.0
         conns[s // 2].send((s % 2, slot_buffer[s], -1))
@@ -624,7 +653,7 @@ def train(args):
                     # the state fed with the new buffer's first obs, reset if an episode just ended
                     last_end = buffers["end"][old, T - 1]
                     hidden[s] *= ~episode_cut(last_end).to(device)[:, None]
-                    for k in OBS_FIELDS + ("message_count",):
+                    for k in OBS_FIELDS:
                         buffers[k][new, 0] = buffers[k][old, T]
                     buffers["h0"][new] = hidden[s].cpu()
                     full.put(old)
@@ -642,9 +671,12 @@ def train(args):
             with torch.no_grad(), weights_lock:
                 logits, _, h_new = actor.step(to_device(obs, device), h.flatten(0, 1))
                 current_version = version[0]
-            dist = torch.distributions.Categorical(logits=logits)
-            action = dist.sample()
-            logprob = dist.log_prob(action)
+            # Gumbel-max sampling from each slot's own seeded stream: the same seed gives the same
+            # actions whichever slots happen to be batched together
+            noise = torch.cat([torch.rand(n, logits.shape[1], generator=samplers[s]) for s in ready_now])
+            log_probs = torch.log_softmax(logits.float(), dim=-1)
+            action = (log_probs - torch.log(-torch.log(noise.to(device).clamp(min=1e-20)))).argmax(-1)
+            logprob = log_probs.gather(-1, action[:, None]).squeeze(-1)
             hidden[ready_now] = h_new.view(len(ready_now), n, -1)
             buffers["action"][bs, ts] = action.view(len(ready_now), n).cpu()
             buffers["logprob"][bs, ts] = logprob.view(len(ready_now), n).cpu()
@@ -659,7 +691,7 @@ def train(args):
                 log_progress(logger, counters, stats, episode_stats, start_steps, start_time, now, intrinsic)
                 episode_stats, last_log = [], now
             if now - last_checkpoint > args.checkpoint_every_s:
-                checkpoint()
+                checkpoint_due.set()  # the learner saves between two updates
                 last_checkpoint = now
     finally:
         stop.set()
@@ -674,7 +706,7 @@ def train(args):
             if proc.is_alive():
                 proc.terminate()
         intrinsic.close()
-    if stats["error"] is not None:
+    if stats["error"] is not None and not isinstance(stats["error"], SystemExit):
         raise stats["error"]
     log_progress(logger, counters, stats, episode_stats, start_steps, start_time, time.time(), intrinsic)
     checkpoint()
@@ -687,6 +719,8 @@ def train(args):
     with open(os.path.join(args.run_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     logger.writer.close()
+    if isinstance(stats["error"], SystemExit):
+        fail(f"{str(stats['error']).removeprefix('error: ')}; checkpoint saved, continue with --resume {args.run_dir}")
     if worker_failure:
         fail(f"{worker_failure}; checkpoint saved, continue with --resume {args.run_dir}")
     print(f"done: {counters['env_steps']:,} env steps, {summary['sps']:,.0f} steps/s; "
@@ -697,9 +731,14 @@ def train(args):
 def log_progress(logger, counters, stats, episode_stats, start_steps, start_time, now, intrinsic):
     steps = counters["env_steps"]
     sps = (steps - start_steps) / (now - start_time)
-    logger.scalars("charts", {"SPS": sps, "policy_lag_mean": stats["lag_mean"],
-                              "policy_lag_max": stats["lag_max"], "updates": counters["updates"]}, steps)
+    window = [stats["updates"].popleft() for _ in range(len(stats["updates"]))]  # updates since the last log
+    figures = {k: [u[k] for u in window if k in u] for k in {k for u in window for k in u}}
+    figures = {k: max(v) if k.endswith("max") or k.startswith("max") else float(np.mean(v)) for k, v in figures.items()}
+    lag_mean, lag_max = figures.pop("lag_mean", 0.0), int(figures.pop("lag_max", 0))
+    logger.scalars("charts", {"SPS": sps, "policy_lag_mean": lag_mean, "policy_lag_max": lag_max,
+                              "updates": counters["updates"]}, steps)
     logger.scalars("losses", stats["losses"], steps)
+    logger.scalars("intrinsic", figures, steps)
     logger.scalars("llm", intrinsic.stats(), steps)
     for e in episode_stats:
         logger.writer.add_scalar("charts/episodic_return", e["return"], steps)
@@ -710,7 +749,7 @@ def log_progress(logger, counters, stats, episode_stats, start_steps, start_time
             f.writelines(json.dumps(e) + "\n" for e in episode_stats)
     mean_return = f"{np.mean([e['return'] for e in episode_stats]):8.2f}" if episode_stats else "     n/a"
     print(f"steps {steps:>13,} | {sps:8,.0f} steps/s | episodes {counters['episodes']:>7,} | "
-          f"return {mean_return} | lag {stats['lag_mean']:4.1f}/{stats['lag_max']:<3d} | "
+          f"return {mean_return} | lag {lag_mean:4.1f}/{lag_max:<3d} | "
           f"updates {counters['updates']:,}{intrinsic.progress()}", flush=True)
 
 

@@ -6,15 +6,18 @@ N is how often the exact message has been seen in the episode so far (envs.py co
   retrieval       the LLM's label of the message (1 good, 0 not), 0 while unlabelled       (ONI)
   classification  1 if a char-CNN classifier trained online on the labels says p(good) > 0.5   (ONI)
   ranking         a Bradley-Terry reward model trained online on LLM preferences over pairs,
-                  normalized by running mean/std and zeroed below the running median        (ONI)
+                  as a z-score over recent steps, zeroed at or below their median           (ONI)
   ellm            cosine similarity of the message and the goal in a sentence-embedding space
   motif           the ranking model trained beforehand on --labels-from pairs, then frozen
-All are computed batched on the learner's device, on the unique messages of the batch.
+All are computed batched on the learner's device, on the unique messages of the batch. A step's
+message is that of the observation the step produced, in its own episode: a death is scored with
+its own last message, never with the next episode's first one.
 """
 import collections
 import json
 import os
 import random
+import time
 
 import numpy as np
 import torch
@@ -28,8 +31,12 @@ REWARD_TYPES = ("none", "retrieval", "classification", "ranking", "ellm", "motif
 NEEDS_LLM = ("retrieval", "classification", "ranking")
 SMALL_SET = 25_000  # below this many labels, train 32 steps per chunk of new labels...
 LABEL_CHUNK = 100  # ...of the size the reference's client merged at once (its newest 100)
-PAIR_POOL_EVERY = 10  # every 10th message seen enters the pool that ranking pairs are drawn from
+PAIR_POOL_EVERY = 10  # every 10th step's message enters the pool that ranking pairs are drawn from
 PAIR_POOL_SIZE = 100_000  # beyond this the pool is a uniform sample of all of them
+RECENT_BATCHES = 8  # ranking statistics are taken over the steps of the last 8 learner batches
+RANKING_CLIP = 5.0  # a ranking reward is a z-score: at most 5 standard deviations
+MIN_SPREAD = 0.5  # ...of a model whose outputs differ by at least this (Bradley-Terry log-odds)
+RETRY_S = 60.0  # a caption still unanswered this long after it was asked is asked again
 
 
 def to_bytes(rows: torch.Tensor) -> list[bytes]:
@@ -109,34 +116,38 @@ def bradley_terry_loss(first, second, preference):
     return -(target * torch.log_softmax(rewards, dim=1)).sum(1).mean()
 
 
-class RunningNorm:
-    """Running mean/std of the reward model's outputs (exponential, so it follows the model as it
-    trains) and their median over a recent window: normalized rewards below it are zeroed."""
+class RankingNorm:
+    """Ranking rewards as z-scores of the *current* reward model over recent steps: the mean, std and
+    median are taken over the messages of recent steps (frequency-weighted, the empty message
+    excluded) and refitted after every training burst. R = z for messages strictly above the step
+    median, else 0, clipped to +-RANKING_CLIP. Nothing is paid before the first fit, nor while the model's
+    outputs over those messages span less than MIN_SPREAD: a z-score would turn its noise into rewards."""
 
-    def __init__(self, momentum=0.01, window=20_000):
-        self.mean, self.var, self.momentum, self.initialized = 0.0, 1.0, momentum, False
-        self.recent = collections.deque(maxlen=window)
+    def __init__(self):
+        self.mean = self.std = self.median = None
 
-    def update(self, values: torch.Tensor):
-        mean, var = values.mean().item(), values.var(unbiased=False).item() if values.numel() > 1 else 0.0
-        if not self.initialized:
-            self.mean, self.var, self.initialized = mean, max(var, 1e-8), True
-        else:
-            self.mean += self.momentum * (mean - self.mean)
-            self.var += self.momentum * (var - self.var)
-        self.recent.extend(values.tolist())
+    def fit(self, values: torch.Tensor, weights: torch.Tensor):
+        if (values.max() - values.min()).item() < MIN_SPREAD:
+            self.mean = self.std = self.median = None
+            return
+        w = weights.float() / weights.sum()
+        mean = (w * values).sum()
+        order = values.argsort()
+        middle = torch.searchsorted(w[order].cumsum(0), torch.tensor(0.5, device=values.device))
+        self.mean, self.median = mean.item(), values[order][middle.clamp(max=len(values) - 1)].item()
+        self.std = max((w * (values - mean) ** 2).sum().sqrt().item(), 1e-6)
 
     def __call__(self, values: torch.Tensor) -> torch.Tensor:
-        normalized = (values - self.mean) / max(self.var, 1e-8) ** 0.5
-        threshold = (float(np.median(self.recent)) - self.mean) / max(self.var, 1e-8) ** 0.5 if self.recent else 0.0
-        return torch.where(normalized >= threshold, normalized, torch.zeros_like(normalized))
+        if self.mean is None:
+            return torch.zeros_like(values)
+        z = ((values - self.mean) / self.std).clamp(-RANKING_CLIP, RANKING_CLIP)
+        return torch.where(values > self.median, z, torch.zeros_like(z))
 
     def state_dict(self):
-        return {"mean": self.mean, "var": self.var, "initialized": self.initialized, "recent": list(self.recent)}
+        return {"mean": self.mean, "std": self.std, "median": self.median}
 
     def load_state_dict(self, state):
-        self.mean, self.var, self.initialized = state["mean"], state["var"], state["initialized"]
-        self.recent.extend(state["recent"])
+        self.mean, self.std, self.median = state["mean"], state["std"], state["median"]
 
 
 class SentenceEmbedder:
@@ -164,15 +175,19 @@ class IntrinsicReward:
 
     def __init__(self, args, device):
         self.args, self.kind, self.device = args, args.reward_type, device
+        self.rng = random.Random(getattr(args, "seed", 0))  # pair and minibatch sampling
         self.labels: dict[str, float] = {}  # caption -> 1.0 / 0.0 (retrieval, classification)
         self.pairs: list[tuple[str, str, float]] = []  # (first, second, p(first is better))
-        self.requested: set[str] = set()
+        self.answered: set[str] = set()  # captions the LLM answered (a label, or unknown)
+        self.asked: dict[str, float] = {}  # captions asked and not yet answered -> when last asked
+        self.last_retry = time.time()
         self.pair_pool: list[str] = []
         self.pool_offers = 0
-        self.messages_seen = 0
+        self.steps_seen = 0
+        self.recent = collections.deque(maxlen=RECENT_BATCHES)  # (texts, step counts) of recent batches
         self.new_labels = 0
         self.model_steps = 0
-        self.model, self.optimizer, self.norm = None, None, RunningNorm()
+        self.model, self.optimizer, self.norm = None, None, RankingNorm()
         if self.kind == "classification":
             self.model = Classifier().to(device)
         elif self.kind in ("ranking", "motif"):
@@ -181,7 +196,7 @@ class IntrinsicReward:
             self.model = SentenceEmbedder(device)
         if isinstance(self.model, nn.Module):
             self.optimizer = torch.optim.Adam(self.model.parameters(), lr=1e-4)
-        self.llm = annotator.LabelClient(args) if self.kind in NEEDS_LLM else None
+        self.client = annotator.LabelClient(args) if self.kind in NEEDS_LLM else None
         if args.labels_from:
             self.add_records(annotator.read_labels(args.labels_from))
         if self.kind == "motif":
@@ -191,16 +206,16 @@ class IntrinsicReward:
 
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self, run_dir):
-        if self.llm is not None:
-            self.llm.start(run_dir, known=set(self.labels) | {annotator.pair_key(a, b) for a, b, _ in self.pairs})
+        if self.client is not None:
+            self.client.start(run_dir, known=self.answered | {annotator.pair_key(a, b) for a, b, _ in self.pairs})
 
     def close(self):
-        if self.llm is not None:
-            self.llm.close()
+        if self.client is not None:
+            self.client.close()
 
     def state_dict(self):
-        state = {"pair_pool": self.pair_pool, "messages_seen": self.messages_seen, "norm": self.norm.state_dict(),
-                 "model_steps": self.model_steps, "pool_offers": self.pool_offers}
+        state = {"pair_pool": self.pair_pool, "steps_seen": self.steps_seen, "norm": self.norm.state_dict(),
+                 "model_steps": self.model_steps, "pool_offers": self.pool_offers, "rng": self.rng.getstate()}
         if self.optimizer is not None:
             state.update(model=self.model.state_dict(), optimizer=self.optimizer.state_dict())
         return state
@@ -208,16 +223,18 @@ class IntrinsicReward:
     def load_state_dict(self, state):
         if not state:
             return
-        self.pair_pool, self.messages_seen = state["pair_pool"], state["messages_seen"]
+        self.pair_pool, self.steps_seen = state["pair_pool"], state["steps_seen"]
         self.model_steps, self.pool_offers = state["model_steps"], state["pool_offers"]
         self.norm.load_state_dict(state["norm"])
+        self.rng.setstate(state["rng"])
         if self.optimizer is not None and "model" in state:
             self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
-        if self.llm is not None and self.args.resume:  # labels come back from labels.jsonl, not asked again
+        if self.client is not None and self.args.resume:  # labels come back from labels.jsonl, not asked again
             path = os.path.join(os.path.dirname(self.args.resume), annotator.LABELS_FILE)
             if os.path.exists(path):
                 self.add_records(annotator.read_labels(path))
+                self.new_labels = 0  # the model saw these before the checkpoint
 
     def add_records(self, records):
         for record in records:
@@ -225,81 +242,115 @@ class IntrinsicReward:
                 first, second = record["pair"]
                 self.pairs.append((first, second, annotator.preference_probability(record["preference"])))
             else:
-                self.requested.add(record["caption"])  # asked once is enough, even if unknown
+                self.answered.add(record["caption"])  # asked once is enough, even if unknown
+                self.asked.pop(record["caption"], None)
                 if record["label"] is not None:
                     self.labels[record["caption"]] = float(record["label"])
             self.new_labels += 1
 
     # -- the reward -----------------------------------------------------------------------------
-    def rewards(self, env_reward, messages, counts):
-        """env_reward, counts: [T, B]; messages: [T, B, 256] uint8 (the message after each step)."""
+    def rewards(self, env_reward, messages, counts, terminal):
+        """env_reward, counts, terminal (the step ended its episode): [T, B]; messages: [T, B, 256]
+        uint8, each step's own message. Returns the mixed rewards and statistics."""
         if self.kind == "none":
             return mix(env_reward, torch.zeros_like(env_reward), counts, self.args), {}
-        unique, inverse = torch.unique(messages.flatten(0, 1), dim=0, return_inverse=True)
+        unique, inverse, steps = torch.unique(messages.flatten(0, 1), dim=0, return_inverse=True,
+                                              return_counts=True)
         texts = [t.decode("latin-1") for t in to_bytes(unique)]
-        values = self.score(unique, texts)
-        values[unique.amax(dim=1) == 0] = 0.0  # the empty message is worth nothing
+        nonempty = unique.amax(dim=1) > 0  # the empty message is worth nothing and never asked
+        values = torch.where(nonempty, self.score(unique, texts), torch.zeros(len(texts), device=self.device))
         intrinsic = values[inverse].view(env_reward.shape)
-        if self.llm is not None:
-            self.ask_llm(texts)
-        stats = {"intrinsic_mean": intrinsic.mean().item(), "unique_messages": len(texts)}
+        self.observe(texts, nonempty, steps, inverse)
+        paid = count_normalized(intrinsic, counts, self.args.count_beta)
+        # R / N^beta per step, before c_int (tensorboard intrinsic/*)
+        stats = {"mean_reward": paid.mean().item(), "max_reward": paid.max().item(),
+                 "rewarded_steps": (paid != 0).float().mean().item(), "unique_messages": len(texts)}
+        if terminal.any():  # deaths and successes: scored with their own last message
+            stats["terminal_step_reward"] = paid[terminal].mean().item()
         return mix(env_reward, intrinsic, counts, self.args), stats
 
     @torch.no_grad()
     def score(self, rows, texts) -> torch.Tensor:
+        """R of each message with the current labels/model; changes nothing."""
         if self.kind == "retrieval":
             return torch.tensor([self.labels.get(t, 0.0) for t in texts], device=self.device)
-        if self.optimizer is not None and self.model_steps == 0:
-            return torch.zeros(len(texts), device=self.device)  # untrained: no reward (the reference used its random init)
+        if self.kind == "ellm":
+            return self.model(texts)
+        if self.model_steps == 0:  # untrained: no reward (the reference used its random init)
+            return torch.zeros(len(texts), device=self.device)
+        self.model.eval()
         if self.kind == "classification":
-            self.model.eval()
             return (self.model(rows).softmax(-1)[:, 1] > 0.5).float()
-        if self.kind in ("ranking", "motif"):
-            self.model.eval()
-            raw = self.model(rows)
-            if self.args.raw_ranking:
-                return raw
-            self.norm.update(raw)
-            return self.norm(raw)
-        return self.model(texts)  # ellm
+        raw = self.model(rows)
+        return raw if self.args.raw_ranking else self.norm(raw)
 
-    def ask_llm(self, texts):
-        new = [t for t in texts if t and t not in self.requested]
-        self.requested.update(new)
-        pairs = []
+    def observe(self, texts, nonempty, steps, inverse):
+        """What the learner saw in a batch: recent steps for the ranking statistics, every 10th step's
+        message for the pair pool, and label requests for the LLM."""
+        kept = nonempty.nonzero().squeeze(1).tolist()
         if self.kind == "ranking":
-            for t in texts:
-                self.messages_seen += 1
-                if t and self.messages_seen % PAIR_POOL_EVERY == 0:
-                    self.add_to_pool(t)
-            if len(self.pair_pool) >= 2:
-                pairs = [tuple(random.sample(self.pair_pool, 2)) for _ in range(8)]
-            new = []
-        self.llm.request(new, pairs)
+            self.recent.append(([texts[i] for i in kept], steps[kept].cpu()))
+            first = (-self.steps_seen) % PAIR_POOL_EVERY
+            for i in inverse.flatten()[first::PAIR_POOL_EVERY].tolist():
+                if nonempty[i]:
+                    self.add_to_pool(texts[i])
+            self.steps_seen += inverse.numel()
+        if self.client is None:
+            return
+        if self.kind == "ranking":
+            pairs = [tuple(self.rng.sample(self.pair_pool, 2)) for _ in range(8)] if len(self.pair_pool) >= 2 else []
+            self.client.request([], pairs)
+            return
+        now = time.time()
+        new = [texts[i] for i in kept if texts[i] not in self.answered and texts[i] not in self.asked]
+        self.asked.update(dict.fromkeys(new, now))
+        again = []
+        if now - self.last_retry > RETRY_S:  # the annotator may have dropped them from a full backlog
+            again = [t for t, at in self.asked.items() if now - at > RETRY_S]
+            self.asked.update(dict.fromkeys(again, now))
+            self.last_retry = now
+        self.client.request(new + again, [])
 
     def add_to_pool(self, text):
-        """Reservoir sampling: the bounded pool stays a uniform sample of every message offered."""
+        """Reservoir sampling: the bounded pool stays a uniform sample of every step offered."""
         self.pool_offers += 1
         if len(self.pair_pool) < PAIR_POOL_SIZE:
             self.pair_pool.append(text)
-        elif (j := random.randrange(self.pool_offers)) < PAIR_POOL_SIZE:
+        elif (j := self.rng.randrange(self.pool_offers)) < PAIR_POOL_SIZE:
             self.pair_pool[j] = text
 
     # -- training -------------------------------------------------------------------------------
     def train_step(self) -> dict:
-        """Called once per learner update: take new labels, train the model on them."""
-        if self.llm is not None:
-            self.add_records(self.llm.new_records())
+        """Called once per learner update: take new labels; while the set is small, 32 training steps
+        whenever labels arrived, beyond it one step per update (the reference's schedule)."""
+        if self.client is not None:
+            self.client.check()  # a fatal LLM error stops the run; a dead annotator is restarted
+            self.add_records(self.client.new_records())
         if self.optimizer is None or self.kind == "motif":
             return {}
-        size = len(self.labels) if self.kind == "classification" else len(self.pairs)
-        first_labels = self.new_labels > 0 and self.model_steps == 0
-        if size == 0 or (size < SMALL_SET and self.new_labels < LABEL_CHUNK and not first_labels):
-            return {}
-        steps = 32 if size < SMALL_SET else 1
-        self.new_labels = 0
-        losses = [self.fit_batch() for _ in range(steps)]
-        return {"reward_model_loss": float(np.mean(losses)), "reward_model_data": size}
+        if self.kind == "classification":
+            size, ready = len(self.labels), {0.0, 1.0} <= set(self.labels.values())  # both classes
+        else:
+            size, ready = len(self.pairs), len(self.pairs) > 0
+        steps = 0 if not ready else 1 if size >= SMALL_SET else 32 if self.new_labels else 0
+        out = {}
+        if steps:
+            self.new_labels = 0
+            out = {"reward_model_loss": float(np.mean([self.fit_batch() for _ in range(steps)])),
+                   "reward_model_data": size}
+        if self.kind == "ranking" and self.model_steps and (steps or self.norm.mean is None):
+            self.refit_norm()
+        return out
+
+    @torch.no_grad()
+    def refit_norm(self):
+        """Ranking statistics of the current model over the recent steps' messages."""
+        steps = collections.Counter()
+        for texts, counts in self.recent:
+            steps.update(dict(zip(texts, counts.tolist())))
+        if steps:
+            self.model.eval()
+            self.norm.fit(self.model_on(list(steps)), torch.tensor(list(steps.values()), device=self.device))
 
     def model_on(self, texts):
         """The model's outputs for texts, each distinct message encoded once (batches repeat them)."""
@@ -311,13 +362,13 @@ class IntrinsicReward:
     def fit_batch(self, batch_size=256) -> float:
         self.model.train()
         if self.kind == "classification":
-            items = random.choices(list(self.labels.items()), k=batch_size)
+            items = self.rng.choices(list(self.labels.items()), k=batch_size)
             labels = torch.tensor([int(v) for _, v in items], device=self.device)
             share = labels.float().mean().clamp(0.01, 0.99)  # class-balanced: both classes weigh half
             weights = torch.stack([0.5 / (1 - share), 0.5 / share])
             loss = F.cross_entropy(self.model_on([t for t, _ in items]), labels, weight=weights)
         else:
-            items = random.choices(self.pairs, k=batch_size)
+            items = self.rng.choices(self.pairs, k=batch_size)
             rewards = self.model_on([p[0] for p in items] + [p[1] for p in items])
             preference = torch.tensor([p[2] for p in items], device=self.device)
             loss = bradley_terry_loss(rewards[:batch_size], rewards[batch_size:], preference)
@@ -329,29 +380,34 @@ class IntrinsicReward:
         return loss.item()
 
     def fit_offline(self, epochs=10):
-        """Motif: train the ranking model on the given pairs once, then freeze it."""
+        """Motif: train the ranking model on the given pairs once, then freeze it and its statistics,
+        taken over the annotated messages as often as they occur in the dataset."""
         for _ in range(max(1, epochs * len(self.pairs) // 256)):
             self.fit_batch()
         self.model.eval()
-        with torch.no_grad():  # normalization statistics over the annotated messages
-            texts = list({t for p in self.pairs for t in p[:2]})
-            self.norm.update(self.model(to_rows(texts, self.device)))
+        occurrences = collections.Counter(t for p in self.pairs for t in p[:2] if t)
+        with torch.no_grad():
+            self.norm.fit(self.model_on(list(occurrences)),
+                          torch.tensor(list(occurrences.values()), device=self.device))
 
     # -- reporting -------------------------------------------------------------------------------
     def stats(self) -> dict:
-        return self.llm.stats() if self.llm is not None else {}
+        return self.client.stats() if self.client is not None else {}
 
     def progress(self) -> str:
-        if self.llm is None:
+        if self.client is None:
             return ""
-        s = self.llm.stats()
+        s = self.client.stats()
         return (f" | llm labels {s.get('labels', 0):,} fail {s.get('failures', 0):,} "
                 f"backlog {s.get('backlog', 0):,}")
 
     def summary(self) -> dict:
         s = self.stats()
-        return {"llm_labels": s.get("labels", 0), "llm_failures": s.get("failures", 0),
-                "llm_parse_failures": s.get("parse_failures", 0)}
+        out = {"llm_labels": s.get("labels", 0), "llm_failures": s.get("failures", 0),
+               "llm_parse_failures": s.get("parse_failures", 0), "annotator_restarts": s.get("restarts", 0)}
+        if "answers_restricted" in s:
+            out["llm_answers_restricted"] = s["answers_restricted"]
+        return out
 
 
 def make(args, device) -> IntrinsicReward:

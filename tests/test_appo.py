@@ -261,7 +261,7 @@ def test_worker_end_codes_truncation_and_crash_recovery(monkeypatch):
     import envs
     from nle import nethack
     real_make = envs.make_env
-    monkeypatch.setattr(envs, "make_env", lambda task, seed=None: CrashOnce(real_make(task, seed=seed, max_episode_steps=4)))
+    monkeypatch.setattr(envs, "make_env", lambda task, seed=None, **kw: CrashOnce(real_make(task, seed=seed, max_episode_steps=4)))
     T = 8
     buffers = oni_appo.make_buffers(1, T, 1)  # one buffer, one env per half
     buffers["action"][:] = envs.ACTIONS.index(nethack.Command.SEARCH)
@@ -284,4 +284,147 @@ def test_worker_end_codes_truncation_and_crash_recovery(monkeypatch):
     assert ends == [R, R, R, TR, RS, R, RS, R]
     assert buffers["blstats"][0, 4, 0].abs().sum() > 0  # the truncated episode's real last observation
     assert [e["steps"] for e in episodes] == [4]
-    assert buffers["message_count"][0, 5, 0] >= 1
+    assert buffers["step_count"][0, 5, 0] >= 1
+    assert buffers["step_message"][0, 4].abs().sum() == 0 and buffers["step_count"][0, 4, 0] == 1  # reset: no message
+
+
+def drive_worker_until_an_episode_ends(task, seed, T=64, max_rollouts=200):
+    """A real env worker (one env per half), random actions from a seeded stream, rollout after
+    rollout in one buffer, until half 0's env terminates. Returns the buffers, t and every action."""
+    import multiprocessing as mp
+
+    import envs
+    buffers = oni_appo.make_buffers(1, T, 1)
+    parent, child = mp.get_context("fork").Pipe()
+    worker = mp.get_context("fork").Process(target=oni_appo.env_worker, args=(0, task, seed, 2, buffers, child))
+    worker.start()
+    rng, actions = np.random.default_rng(seed), []
+    try:
+        parent.send((0, 0, -1))
+        parent.recv()
+        for _ in range(max_rollouts):
+            buffers["action"][0, :, 0] = torch.from_numpy(rng.integers(len(envs.ACTIONS), size=T))
+            for t in range(T):
+                parent.send((0, 0, t))
+                parent.recv()
+                actions.append(int(buffers["action"][0, t, 0]))
+                if buffers["end"][0, t, 0] == ENDS["terminated"]:
+                    return buffers, t, actions
+    finally:
+        parent.send(None)
+        worker.join(timeout=30)
+    raise AssertionError("no episode ended")
+
+
+def test_a_step_that_ends_an_episode_is_scored_with_its_own_last_message():
+    import envs
+    import reward_models
+    task, seed = "NetHackScoreExtendedActions-v1", 5
+    buffers, t, actions = drive_worker_until_an_episode_ends(task, seed)
+    replica = envs.make_env(task, seed=seed)  # the same game and actions, outside the worker
+    replica.reset()
+    for a in actions:
+        last_obs, _, terminated, _, info = replica.step(a)
+    assert terminated
+    last_message = envs.message_bytes(last_obs["message"])
+    assert envs.message_bytes(buffers["step_message"][0, t, 0].numpy()) == last_message
+    assert buffers["step_count"][0, t, 0] == info["message_count"]
+    # the next observation already belongs to the next episode: the reward must not look there
+    welcome = envs.message_bytes(buffers["message"][0, t + 1, 0].numpy())
+    assert welcome.startswith(b"Hello Agent, welcome to NetHack!")
+
+    def paid(labels):  # the learner's intrinsic reward (Retrieval with these labels) of the rollout's steps
+        args = oni_appo.Args(reward_type="retrieval", extrinsic_coef=0.0, intrinsic_coef=1.0)
+        intrinsic = reward_models.IntrinsicReward(args, "cpu")
+        intrinsic.client, intrinsic.labels = None, labels
+        rewards, stats = intrinsic.rewards(torch.zeros(t + 1, 1), buffers["step_message"][0, :t + 1],
+                                           buffers["step_count"][0, :t + 1], buffers["end"][0, :t + 1] == ENDS["terminated"])
+        return rewards[:, 0], stats
+
+    rewards, stats = paid({welcome.decode("latin-1"): 1.0})
+    assert rewards.abs().sum() == 0 and stats["terminal_step_reward"] == 0  # the welcome is paid on no step
+    if last_message:
+        rewards, stats = paid({last_message.decode("latin-1"): 1.0})
+        assert rewards[t].item() == pytest.approx(1.0 / info["message_count"] ** 3)
+        assert stats["terminal_step_reward"] == rewards[t].item()
+
+
+def train_in_process(tmp_path, argv, monkeypatch, loss_hook=None, name="run"):
+    """oni_appo.train in this process (its env workers are still spawned), so a test can look at
+    every learner update through a wrapper of appo_loss."""
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    if loss_hook is not None:
+        real_loss = oni_appo.appo_loss
+        monkeypatch.setattr(oni_appo, "appo_loss", lambda *a: loss_hook(real_loss, *a))
+    try:
+        return oni_appo.train(oni_appo.parse_args(argv + ["--run-dir", str(tmp_path / name)]))
+    finally:
+        for s, h in handlers.items():
+            signal.signal(s, h)
+
+
+def test_the_learner_recomputes_every_behaviour_log_prob(tmp_path, monkeypatch):
+    """On-policy exactness: with the optimizer step a no-op (lr 0), the learner's log-prob of every
+    taken action equals the one the actor stored, at every kind of boundary."""
+    gaps = {name: [] for name in ("rollout start", "running", "after a death", "truncated", "reset", "after a reset")}
+
+    def check(real_loss, agent, batch, rewards, args):
+        end = batch["end"]
+        with torch.no_grad():
+            logits, _ = agent.unroll(batch["obs"], batch["h0"], oni_appo.episode_cut(end))
+            logp = torch.log_softmax(logits[:-1], -1).gather(-1, batch["action"][..., None]).squeeze(-1)
+        gap = (logp - batch["logprob"]).abs()
+        previous = torch.cat([torch.full_like(end[:1], -1), end[:-1]])
+        for name, where in (("rollout start", previous == -1), ("running", (previous == 0) & (end == 0)),
+                            ("after a death", previous == ENDS["terminated"]), ("truncated", end == ENDS["truncated"]),
+                            ("reset", end == ENDS["reset"]), ("after a reset", previous == ENDS["reset"])):
+            gaps[name].append(gap[where])
+        return real_loss(agent, batch, rewards, args)
+
+    train_in_process(tmp_path, ["--num-workers", "2", "--num-envs-per-worker", "4", "--batch-size", "256",
+                                "--lr", "0", "--max-episode-steps", "150", "--total-env-steps", "12000"],
+                     monkeypatch, check)
+    for name, values in gaps.items():
+        values = torch.cat(values)
+        assert values.numel() > 0, f"no {name} step in the run"
+        assert values.max().item() < 1e-5, (name, values.max().item())
+
+
+def test_the_same_seed_gives_the_same_first_update(tmp_path, monkeypatch):
+    first_updates = []
+
+    def record(real_loss, agent, batch, rewards, args):
+        loss, losses = real_loss(agent, batch, rewards, args)
+        first_updates.append((loss.item(), batch["action"].clone(), [p.detach().clone() for p in agent.parameters()]))
+        return loss, losses
+
+    argv = ["--num-workers", "1", "--num-envs-per-worker", "4", "--batch-size", "128", "--total-env-steps", "1024",
+            "--seed", "11"]
+    train_in_process(tmp_path, argv, monkeypatch, record, name="a")
+    first = first_updates[0]
+    first_updates.clear()
+    train_in_process(tmp_path, argv, monkeypatch, record, name="b")
+    second = first_updates[0]
+    assert torch.equal(first[1], second[1])  # the same actions in the same order
+    assert first[0] == pytest.approx(second[0], abs=1e-6)
+    assert all(torch.equal(a, b) for a, b in zip(first[2], second[2]))  # the same initial weights
+    first_updates.clear()
+    train_in_process(tmp_path, argv[:-1] + ["12"], monkeypatch, record, name="c")
+    assert not torch.equal(first[1], first_updates[0][1])  # another seed, other actions
+
+
+def test_checkpoints_written_during_training_hold_whole_updates(tmp_path, monkeypatch):
+    saved = []
+    real_save = oni_appo.save_checkpoint
+
+    def save(path, state):
+        steps = {int(s["step"]) for s in state["optimizer"]["state"].values()}
+        saved.append((steps, state["counters"]["updates"]))
+        real_save(path, state)
+
+    monkeypatch.setattr(oni_appo, "save_checkpoint", save)
+    train_in_process(tmp_path, SMALL_RUN + ["--total-env-steps", "8000", "--checkpoint-every-s", "0"], monkeypatch)
+    during = [s for s in saved if s[1] > 0][:-1]  # the last one is written after training stopped
+    assert len(during) >= 5
+    for steps, updates in during:
+        assert steps == {updates}, (steps, updates)  # Adam's step count is the update counter

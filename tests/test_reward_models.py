@@ -22,7 +22,7 @@ MONSTERS = ["newt", "jackal", "grid bug", "lichen", "kobold", "gnome", "sewer ra
 def make_args(**overrides):
     args = SimpleNamespace(reward_type="none", extrinsic_coef=0.1, intrinsic_coef=0.4, reward_scale=0.1,
                            reward_clip=10.0, count_beta=3.0, raw_ranking=False, llm_url=[], llm_model=None,
-                           prompt_file=None, labels_from=None, resume=None)
+                           prompt_file=None, labels_from=None, resume=None, seed=0, num_workers=1, llm_threads=None)
     args.__dict__.update(overrides)
     return args
 
@@ -91,18 +91,29 @@ def test_bradley_terry_recovers_a_known_order_from_noisy_pairs():
     assert scores == sorted(scores), scores
 
 
-def test_ranking_reward_is_normalized_and_zeroed_below_the_median():
-    norm = rm.RunningNorm()
-    values = torch.arange(64.0)
-    norm.update(values)
+def test_ranking_reward_is_a_step_weighted_z_score_zeroed_at_or_below_the_median():
+    norm = rm.RankingNorm()
+    assert norm(torch.tensor([3.0])).item() == 0.0  # no statistics yet: no reward
+    norm.fit(torch.tensor([0.0, 0.2]), torch.ones(2))  # a model that does not tell them apart yet
+    assert norm(torch.tensor([0.0, 0.2])).tolist() == [0.0, 0.0]
+    values = torch.arange(8.0)
+    norm.fit(values, torch.ones(8))
     standardized = (values - values.mean()) / values.std(unbiased=False)
-    expected = torch.where(values >= values.median() + 0.5, standardized, torch.zeros(64))
-    torch.testing.assert_close(norm(values), expected)  # unit scale, the lower half zeroed
+    expected = torch.where(values > 3.0, standardized, torch.zeros(8))  # step median: 3
+    torch.testing.assert_close(norm(values), expected)
+    # per step, not per distinct message: a message on 90% of the steps is the median, gets nothing,
+    # and the mean and std are weighted by steps
+    norm.fit(torch.tensor([0.0, 1.0]), torch.tensor([9, 1]))
+    assert (norm.mean, norm.median) == (pytest.approx(0.1), 0.0) and norm.std == pytest.approx(0.3)
+    torch.testing.assert_close(norm(torch.tensor([0.0, 1.0])), torch.tensor([0.0, 3.0]))
+    norm.fit(torch.tensor([0.0, 1.0]), torch.tensor([999, 1]))  # a rare message is clipped at 5 std
+    assert norm(torch.tensor([1.0])).item() == rm.RANKING_CLIP
     torch.manual_seed(0)
     model = rm.IntrinsicReward(make_args(reward_type="ranking"), "cpu")
     model.pairs = [("a", "b", 1.0)]
     assert model.score(rm.to_rows(["a"]), ["a"]).item() == 0.0  # untrained: no reward
     model.fit_batch(8)
+    assert model.score(rm.to_rows(["a"]), ["a"]).item() == 0.0  # trained, no statistics yet: no reward
     texts = [f"message {i}" for i in range(64)]
     rows = rm.to_rows(texts)
     raw_model = rm.IntrinsicReward(make_args(reward_type="ranking", raw_ranking=True), "cpu")
@@ -116,9 +127,10 @@ def test_ranking_reward_is_normalized_and_zeroed_below_the_median():
 def test_empty_message_gets_no_intrinsic_reward():
     model = rm.IntrinsicReward(make_args(reward_type="retrieval", intrinsic_coef=1.0, extrinsic_coef=0.0), "cpu")
     model.labels = {"": 1.0, "You kill the newt!": 1.0}
-    model.llm = None  # no server: the labels are given
+    model.client = None  # no server: the labels are given
     messages = rm.to_rows(["", "You kill the newt!", "It's a wall."]).view(3, 1, 256)
-    rewards, _ = model.rewards(torch.zeros(3, 1), messages, torch.ones(3, 1, dtype=torch.int32))
+    rewards, _ = model.rewards(torch.zeros(3, 1), messages, torch.ones(3, 1, dtype=torch.int32),
+                               torch.zeros(3, 1, dtype=torch.bool))
     assert rewards[:, 0].tolist() == [0.0, 1.0, 0.0]
 
 
@@ -131,8 +143,9 @@ def test_resume_reloads_labels_without_asking_again(tmp_path):
     assert model.labels == {"You kill the newt!": 1.0}
     assert model.pairs == [("It's a wall.", "You kill the newt!", 0.0)]
     sent = []
-    model.llm.request = lambda captions, pairs: sent.append(captions)
-    model.ask_llm(["You kill the newt!", "It's a wall."])
+    model.client.request = lambda captions, pairs: sent.append(captions)
+    model.rewards(torch.zeros(2, 1), rm.to_rows(["You kill the newt!", "It's a wall."]).view(2, 1, 256),
+                  torch.ones(2, 1, dtype=torch.int32), torch.zeros(2, 1, dtype=torch.bool))
     assert sent == [["It's a wall."]]  # the labelled caption is not asked again
 
 
@@ -162,14 +175,15 @@ def test_real_nle_messages_are_labelled_by_the_embedded_server_and_reach_the_lea
     try:
         rows = rm.to_rows(messages).view(len(messages), 1, 256)
         counts = torch.ones(len(messages), 1, dtype=torch.int32)
-        model.rewards(torch.zeros(len(messages), 1), rows, counts)  # asks the LLM
+        ended = torch.zeros(len(messages), 1, dtype=torch.bool)
+        model.rewards(torch.zeros(len(messages), 1), rows, counts, ended)  # asks the LLM
         deadline = time.time() + 180
         while len(model.labels) < len(messages) and time.time() < deadline:
             time.sleep(0.5)
             model.train_step()  # the learner's incremental read of new labels
         assert set(model.labels) == set(messages)
         assert model.labels["You kill the newt!"] == 1.0
-        rewards, _ = model.rewards(torch.zeros(len(messages), 1), rows, counts)
+        rewards, _ = model.rewards(torch.zeros(len(messages), 1), rows, counts, ended)
         assert rewards[:, 0].tolist() == [model.labels[m] for m in messages]
     finally:
         model.close()
@@ -206,23 +220,28 @@ def test_motif_trains_offline_from_pairs_then_stays_frozen(tmp_path):
     good, bad = "You kill the newt!", "It's a wall."
     path = tmp_path / "pairs.jsonl"
     with open(path, "w") as f:
-        for _ in range(300):
+        for _ in range(1500):
             f.write(json.dumps({"pair": [good, bad], "preference": 1}) + "\n")
             f.write(json.dumps({"pair": [bad, good], "preference": 2}) + "\n")
     model = rm.IntrinsicReward(make_args(reward_type="motif", labels_from=str(path), raw_ranking=True), "cpu")
-    assert model.llm is None  # no LLM at training time
+    assert model.client is None  # no LLM at training time
     frozen = {k: v.clone() for k, v in model.model.state_dict().items()}
     assert model.train_step() == {}
     assert all(torch.equal(v, model.model.state_dict()[k]) for k, v in frozen.items())
     scores = model.score(rm.to_rows([good, bad]), [good, bad])
     assert scores[0] > scores[1]
+    # normalized: statistics taken once over the dataset's messages, not moved by what the agent sees
+    model = rm.IntrinsicReward(make_args(reward_type="motif", labels_from=str(path)), "cpu")
+    frozen = model.norm.state_dict()
+    rewards, _ = model.rewards(*steps_of([(good, 3), (bad, 300), ("You hear a door open.", 100)]))
+    assert model.norm.state_dict() == frozen
+    assert model.score(rm.to_rows([good, bad]), [good, bad]).tolist() == [pytest.approx(1.0, abs=1e-3), 0.0]
     with pytest.raises(SystemExit, match="motif needs --labels-from"):
         rm.IntrinsicReward(make_args(reward_type="motif"), "cpu")
 
 
 def test_ranking_pair_pool_is_a_bounded_uniform_sample(monkeypatch):
     monkeypatch.setattr(rm, "PAIR_POOL_SIZE", 50)
-    random.seed(0)
     model = rm.IntrinsicReward(make_args(reward_type="ranking"), "cpu")
     for i in range(5000):
         model.add_to_pool(str(i))
@@ -232,3 +251,120 @@ def test_ranking_pair_pool_is_a_bounded_uniform_sample(monkeypatch):
     restored = rm.IntrinsicReward(make_args(reward_type="ranking"), "cpu")
     restored.load_state_dict(model.state_dict())
     assert restored.pair_pool == model.pair_pool and restored.pool_offers == 5000
+
+
+class InThreadClient:
+    """The learner's side of an annotator run in a thread (`annotator.serve` on plain containers)."""
+
+    def __init__(self, annotator_thread):
+        self.annotator, self.read = annotator_thread, 0
+
+    def request(self, captions, pairs):
+        self.annotator.send(captions, pairs)
+
+    def new_records(self):
+        records = self.annotator.log[self.read:]
+        self.read += len(records)
+        return records
+
+    def check(self):
+        pass
+
+    def stats(self):
+        return dict(self.annotator.stats)
+
+
+def steps_of(messages):
+    """[(text, steps)] -> the [T, 1, ...] tensors of a learner batch, shuffled."""
+    texts = [t for t, k in messages for _ in range(k)]
+    random.Random(0).shuffle(texts)
+    T = len(texts)
+    return (torch.zeros(T, 1), rm.to_rows(texts).view(T, 1, 256), torch.ones(T, 1, dtype=torch.int32),
+            torch.zeros(T, 1, dtype=torch.bool))
+
+
+STEPS = [("", 300), ("It's a wall.", 400), ("You hear a door open.", 150), ("The newt bites!", 100),
+         ("You miss the newt.", 40), ("You see here 5 gold pieces.", 10), ("You kill the newt!", 4)]
+
+
+def test_ranking_rewards_are_bounded_z_scores_from_the_first_rewarded_update(tmp_path):
+    """The early edge: a server that prefers kills and gold, 25 learner updates from an untrained model."""
+    from fake_openai import FakeOpenAI
+    from test_annotator import Annotator
+    torch.manual_seed(0)
+    server = FakeOpenAI().start()
+    thread = Annotator(server.url, tmp_path)
+    model = rm.IntrinsicReward(make_args(reward_type="ranking"), "cpu")
+    model.client = InThreadClient(thread)
+    batch = steps_of(STEPS)
+    texts = [t for t, _ in STEPS]
+    rewarded_updates = 0
+    try:
+        for update in range(25):
+            model.rewards(*batch)
+            thread.wait_for(lambda: thread.stats.get("backlog", 1) == 0 and thread.stats.get("in_flight", 1) == 0, 5)
+            model.train_step()
+            R = model.score(rm.to_rows(texts), texts)
+            if R.abs().sum() > 0:
+                rewarded_updates += 1
+                assert R.abs().max().item() <= rm.RANKING_CLIP
+                assert R[1].item() <= 0 and R[2].item() <= 0  # the frequent dispreferred wall and door: never
+                # at most half of the non-empty steps are paid (strictly above the step median)
+                paid_steps = sum(k for (t, k), r in zip(STEPS, R.tolist()) if r > 0)
+                assert paid_steps <= sum(k for t, k in STEPS if t) / 2
+    finally:
+        thread.close()
+        server.stop()
+    assert rewarded_updates >= 15
+    assert R[5].item() > 0 and R[6].item() > 0 and (R[1:5] <= 0).all()  # gold and the kill, not the rest
+
+
+def test_a_classifier_pays_nothing_until_it_has_labels_of_both_classes():
+    torch.manual_seed(0)
+    model = rm.IntrinsicReward(make_args(reward_type="classification"), "cpu")
+    model.client = None
+    texts = ["It's a wall.", "You die...", "You kill the newt!"]
+    model.add_records([{"caption": "You kill the newt!", "label": 1}, {"caption": "You see here 5 gold pieces.", "label": 1}])
+    for _ in range(3):
+        assert model.train_step() == {}  # one class: nothing to learn a boundary from
+        assert model.score(rm.to_rows(texts), texts).tolist() == [0.0, 0.0, 0.0]
+    model.add_records([{"caption": f"The {m} misses!", "label": 0} for m in MONSTERS] + [{"caption": "It's a wall.", "label": 0}])
+    assert model.train_step()["reward_model_data"] == len(MONSTERS) + 3  # both classes: 32 steps at once
+    assert model.model_steps == 32
+    model.add_records([{"caption": "You hear a door open.", "label": 0}])
+    model.train_step()
+    assert model.model_steps == 64  # every arrival of labels while the set is small
+    for _ in range(8):
+        model.add_records([{"caption": f"The {m} bites!", "label": 0} for m in MONSTERS[:2]])
+        model.train_step()
+    assert model.score(rm.to_rows(texts), texts).tolist()[:2] == [0.0, 0.0]
+
+
+def test_every_caption_seen_is_labelled_after_the_backlog_overflowed(tmp_path, monkeypatch):
+    from fake_openai import FakeOpenAI
+    from test_annotator import Annotator
+    monkeypatch.setattr(annotator, "MAX_BACKLOG", 3)
+    monkeypatch.setattr(rm, "RETRY_S", 1.0)
+    server = FakeOpenAI().start()
+    server.delay = 1.5  # slow: captions pile up and most are dropped from the tiny backlog
+    thread = Annotator(server.url, tmp_path)
+    model = rm.IntrinsicReward(make_args(reward_type="retrieval"), "cpu")
+    model.client = InThreadClient(thread)
+    captions = [f"You kill the {m}!" for m in MONSTERS] + [f"The {m} bites!" for m in MONSTERS]
+    try:
+        for chunk in range(4):
+            model.rewards(*steps_of([(c, 2) for c in captions[chunk * 8:(chunk + 1) * 8]]))
+            time.sleep(0.2)
+        assert thread.wait_for(lambda: thread.stats.get("dropped", 0) > 10, 10)
+        server.delay = 0.0  # the server speeds up; the learner keeps updating on empty messages
+        deadline = time.time() + 30
+        while set(model.labels) != set(captions) and time.time() < deadline:
+            model.rewards(*steps_of([("", 4)]))
+            model.train_step()
+            time.sleep(0.1)
+    finally:
+        thread.close()
+        server.stop()
+    assert set(model.labels) == set(captions)
+    assert model.labels == {c: float("kill" in c) for c in captions}
+    assert not model.asked  # nothing left waiting

@@ -102,12 +102,27 @@ def pair_key(first: str, second: str) -> str:
     return json.dumps([first, second])
 
 
+def valid_record(record) -> bool:
+    """A line of labels.jsonl: {"caption": str, "label": 1|0|null} or {"pair": [str, str], "preference": 1|2|null}."""
+    if not isinstance(record, dict):
+        return False
+    if "pair" in record:
+        pair = record["pair"]
+        return (isinstance(pair, list) and len(pair) == 2 and all(isinstance(m, str) for m in pair)
+                and record.get("preference", 0) in (1, 2, None))
+    return isinstance(record.get("caption"), str) and record.get("label", 2) in (0, 1, None)
+
+
 def read_labels(path: str) -> list[dict]:
     try:
         with open(path) as f:
-            return [json.loads(line) for line in f if line.strip()]
+            records = [(n, json.loads(line)) for n, line in enumerate(f, 1) if line.strip()]
     except (OSError, ValueError) as error:
         raise SystemExit(f"error: cannot read labels from {path}: {error}")
+    for n, record in records:
+        if not valid_record(record):
+            raise SystemExit(f"error: {path} line {n} is not a label or a pair record: {json.dumps(record)[:80]}")
+    return [record for _, record in records]
 
 
 class Fatal(Exception):

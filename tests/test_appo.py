@@ -428,3 +428,20 @@ def test_checkpoints_written_during_training_hold_whole_updates(tmp_path, monkey
     assert len(during) >= 5
     for steps, updates in during:
         assert steps == {updates}, (steps, updates)  # Adam's step count is the update counter
+
+
+def test_an_llm_error_retrying_cannot_fix_stops_the_run_with_a_checkpoint(tmp_path):
+    from fake_openai import FakeOpenAI
+    server = FakeOpenAI().start()
+    run_dir = str(tmp_path / "run")
+    try:
+        result = run(SMALL_RUN[:-2] + ["--reward-type", "retrieval", "--llm-url", server.url,
+                                        "--llm-model", "no-such-model", "--run-dir", run_dir], timeout=300)
+    finally:
+        server.stop()
+    assert result.returncode != 0
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: annotator: HTTP 404") and "no-such-model" in last, result.stderr[-2000:]
+    assert f"--resume {run_dir}" in last and "Traceback" not in result.stderr
+    saved = torch.load(os.path.join(run_dir, "checkpoint.pt"), weights_only=False)
+    assert saved["counters"]["updates"] >= 1

@@ -283,14 +283,19 @@ def steps_of(messages):
             torch.zeros(T, 1, dtype=torch.bool))
 
 
-STEPS = [("", 300), ("It's a wall.", 400), ("You hear a door open.", 150), ("The newt bites!", 100),
-         ("You miss the newt.", 40), ("You see here 5 gold pieces.", 10), ("You kill the newt!", 4)]
+# a learner batch: (message, steps showing it); kills and gold are rare, as in real play
+STEPS = ([("", 300), ("It's a wall.", 400), ("You hear a door open.", 150)]
+         + [(f"The {m} bites!", 8) for m in MONSTERS[:12]] + [(f"You miss the {m}.", 3) for m in MONSTERS[:12]]
+         + [(f"You see here {n} gold pieces.", 1) for n in range(2, 12)] + [(f"You kill the {m}!", 1) for m in MONSTERS[:6]])
+PREFERRED = [i for i, (t, _) in enumerate(STEPS) if "kill" in t or "gold" in t]
 
 
-def test_ranking_rewards_are_bounded_z_scores_from_the_first_rewarded_update(tmp_path):
-    """The early edge: a server that prefers kills and gold, 25 learner updates from an untrained model."""
+def test_ranking_rewards_are_bounded_z_scores_from_the_first_rewarded_update(tmp_path, monkeypatch):
+    """The early edge: a server that prefers kills and gold, 60 learner updates from an untrained
+    model (trained 1 step per new pair instead of 0.32, to get there in seconds)."""
     from fake_openai import FakeOpenAI
     from test_annotator import Annotator
+    monkeypatch.setattr(rm, "STEPS_PER_LABEL", 1.0)
     torch.manual_seed(0)
     server = FakeOpenAI().start()
     thread = Annotator(server.url, tmp_path)
@@ -300,23 +305,26 @@ def test_ranking_rewards_are_bounded_z_scores_from_the_first_rewarded_update(tmp
     texts = [t for t, _ in STEPS]
     rewarded_updates = 0
     try:
-        for update in range(25):
+        for update in range(60):
             model.rewards(*batch)
             thread.wait_for(lambda: thread.stats.get("backlog", 1) == 0 and thread.stats.get("in_flight", 1) == 0, 5)
             model.train_step()
             R = model.score(rm.to_rows(texts), texts)
             if R.abs().sum() > 0:
                 rewarded_updates += 1
-                assert R.abs().max().item() <= rm.RANKING_CLIP
-                assert R[1].item() <= 0 and R[2].item() <= 0  # the frequent dispreferred wall and door: never
-                # at most half of the non-empty steps are paid (strictly above the step median)
-                paid_steps = sum(k for (t, k), r in zip(STEPS, R.tolist()) if r > 0)
-                assert paid_steps <= sum(k for t, k in STEPS if t) / 2
+                assert R.abs().max().item() <= rm.RANKING_CLIP  # was 20.7 at update 20 before the fix
+                assert R[1].item() == 0  # the wall fills more than half of the non-empty steps: the median
     finally:
         thread.close()
         server.stop()
-    assert rewarded_updates >= 15
-    assert R[5].item() > 0 and R[6].item() > 0 and (R[1:5] <= 0).all()  # gold and the kill, not the rest
+    assert rewarded_updates >= 10
+    steps = torch.tensor([k for _, k in STEPS], dtype=torch.float)
+    preferred = torch.zeros(len(STEPS), dtype=torch.bool)
+    preferred[PREFERRED] = True
+    others = ~preferred
+    others[0] = False  # the empty message
+    per_step = lambda where: ((R * steps)[where].sum() / steps[where].sum()).item()
+    assert per_step(preferred) > 1.0 and per_step(preferred) > 10 * per_step(others), (per_step(preferred), per_step(others))
 
 
 def test_a_classifier_pays_nothing_until_it_has_labels_of_both_classes():
@@ -329,15 +337,17 @@ def test_a_classifier_pays_nothing_until_it_has_labels_of_both_classes():
         assert model.train_step() == {}  # one class: nothing to learn a boundary from
         assert model.score(rm.to_rows(texts), texts).tolist() == [0.0, 0.0, 0.0]
     model.add_records([{"caption": f"The {m} misses!", "label": 0} for m in MONSTERS] + [{"caption": "It's a wall.", "label": 0}])
-    assert model.train_step()["reward_model_data"] == len(MONSTERS) + 3  # both classes: 32 steps at once
-    assert model.model_steps == 32
-    model.add_records([{"caption": "You hear a door open.", "label": 0}])
-    model.train_step()
-    assert model.model_steps == 64  # every arrival of labels while the set is small
-    for _ in range(8):
-        model.add_records([{"caption": f"The {m} bites!", "label": 0} for m in MONSTERS[:2]])
-        model.train_step()
+    assert model.train_step()["reward_model_data"] == len(MONSTERS) + 3  # both classes: a first fit
+    assert model.model_steps == rm.BURST
     assert model.score(rm.to_rows(texts), texts).tolist()[:2] == [0.0, 0.0]
+    for _ in range(8):  # then training follows the labels as they arrive: 32 steps per 100
+        model.add_records([{"caption": f"The {m} bites!", "label": 0} for m in MONSTERS[:4]])
+        model.train_step()
+    assert model.model_steps == rm.BURST + int(8 * 4 * rm.STEPS_PER_LABEL)
+    assert model.score(rm.to_rows(texts), texts).tolist()[:2] == [0.0, 0.0]
+    model.add_records([{"caption": f"You see {m}.", "label": 0} for m in range(1000)])
+    model.train_step()
+    assert model.model_steps == 2 * rm.BURST + int(8 * 4 * rm.STEPS_PER_LABEL)  # at most 32 per update
 
 
 def test_every_caption_seen_is_labelled_after_the_backlog_overflowed(tmp_path, monkeypatch):

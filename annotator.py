@@ -102,15 +102,12 @@ def pair_key(first: str, second: str) -> str:
     return json.dumps([first, second])
 
 
-def valid_record(record) -> bool:
+def valid_record(r) -> bool:
     """A line of labels.jsonl: {"caption": str, "label": 1|0|null} or {"pair": [str, str], "preference": 1|2|null}."""
-    if not isinstance(record, dict):
-        return False
-    if "pair" in record:
-        pair = record["pair"]
-        return (isinstance(pair, list) and len(pair) == 2 and all(isinstance(m, str) for m in pair)
-                and record.get("preference", 0) in (1, 2, None))
-    return isinstance(record.get("caption"), str) and record.get("label", 2) in (0, 1, None)
+    if isinstance(r, dict) and "pair" in r:
+        return (isinstance(r["pair"], list) and len(r["pair"]) == 2 and all(isinstance(m, str) for m in r["pair"])
+                and r.get("preference", 0) in (1, 2, None))
+    return isinstance(r, dict) and isinstance(r.get("caption"), str) and r.get("label", 2) in (0, 1, None)
 
 
 def read_labels(path: str) -> list[dict]:

@@ -302,15 +302,14 @@ def env_worker(index, task, seed, num_envs, buffers, conn, max_episode_steps=env
                 if t < 0:
                     write(b, 0, j, pool[i].reset()[0])
                     continue
-                bufs["step_message"][b, t, j], bufs["step_count"][b, t, j] = 0, 1  # a reset step: no message
+                message, count = 0, 1  # a reset step produced no message
                 if needs_reset[i]:
                     needs_reset[i] = False
                     (obs, _), reward, end = pool[i].reset(), 0.0, ENDS["reset"]
                 else:
                     obs, reward, terminated, truncated, info = pool[i].step(bufs["action"][b, t, j])
                     end = ENDS["terminated"] if terminated else ENDS["truncated"] if truncated else 0
-                    bufs["step_message"][b, t, j] = obs["message"]  # before a reset refills it
-                    bufs["step_count"][b, t, j] = info["message_count"]
+                    message, count = obs["message"].copy(), info["message_count"]  # a reset refills obs
                     if terminated or truncated:
                         episodes.append(info["episode"])
                     if terminated:
@@ -326,11 +325,12 @@ def env_worker(index, task, seed, num_envs, buffers, conn, max_episode_steps=env
                 pool[i] = envs.make_env(task, seed=seeds[i] + 1_000_003 * crashes[i],
                                         max_episode_steps=max_episode_steps)
                 (obs, _), reward, end, needs_reset[i] = pool[i].reset(), 0.0, ENDS["reset"], False
+                message, count = 0, 1
                 if t < 0:
                     write(b, 0, j, obs)
                     continue
-                bufs["step_message"][b, t, j], bufs["step_count"][b, t, j] = 0, 1
             write(b, t + 1, j, obs)
+            bufs["step_message"][b, t, j], bufs["step_count"][b, t, j] = message, count
             bufs["reward"][b, t, j] = reward
             bufs["end"][b, t, j] = end
         conn.send((half, episodes))
@@ -436,9 +436,8 @@ def evaluate(args):
     load_model(agent, checkpoint["model"], path)
     agent.eval()
     n = min(args.eval_episodes, 16)
-    pool = [envs.make_env(saved.task, seed=10_000_019 * (saved.seed + 1) + i,
-                          max_episode_steps=saved.max_episode_steps)
-            for i in range(n)]
+    first_seed = 10_000_019 * (saved.seed + 1)  # episodes no training run plays
+    pool = [envs.make_env(saved.task, seed=first_seed + i, max_episode_steps=saved.max_episode_steps) for i in range(n)]
     obs = [env.reset()[0] for env in pool]
     h = torch.zeros(n, agent.hidden_size, device=device)
     results, started = [], n
@@ -505,7 +504,7 @@ def train(args):
     agent, actor = Agent().to(device), Agent().to(device)
     optimizer = torch.optim.Adam(agent.parameters(), lr=args.lr, eps=1e-5)
     counters = {"env_steps": 0, "updates": 0, "episodes": 0}
-    intrinsic = reward_models.make(args, device)
+    intrinsic = reward_models.IntrinsicReward(args, device)
     if args.resume:
         _, checkpoint = load_checkpoint(args.resume)
         load_model(agent, checkpoint["model"], args.resume)

@@ -14,7 +14,6 @@ message is that of the observation the step produced, in its own episode: a deat
 its own last message, never with the next episode's first one.
 """
 import collections
-import json
 import os
 import random
 import time
@@ -38,11 +37,6 @@ RECENT_BATCHES = 8  # ranking statistics are taken over the steps of the last 8 
 RANKING_CLIP = 5.0  # a ranking reward is a z-score: at most 5 standard deviations
 MIN_SPREAD = 0.5  # ...of a model whose outputs differ by at least this (Bradley-Terry log-odds)
 RETRY_S = 60.0  # a caption still unanswered this long after it was asked is asked again
-
-
-def to_bytes(rows: torch.Tensor) -> list[bytes]:
-    """[N, 256] uint8 messages -> their text as bytes, zero padding removed."""
-    return [envs.message_bytes(r) for r in rows.cpu().numpy()]
 
 
 def to_rows(texts: list[str], device="cpu") -> torch.Tensor:
@@ -258,7 +252,7 @@ class IntrinsicReward:
             return mix(env_reward, torch.zeros_like(env_reward), counts, self.args), {}
         unique, inverse, steps = torch.unique(messages.flatten(0, 1), dim=0, return_inverse=True,
                                               return_counts=True)
-        texts = [t.decode("latin-1") for t in to_bytes(unique)]
+        texts = [envs.message_bytes(row).decode("latin-1") for row in unique.cpu().numpy()]
         nonempty = unique.amax(dim=1) > 0  # the empty message is worth nothing and never asked
         values = torch.where(nonempty, self.score(unique, texts), torch.zeros(len(texts), device=self.device))
         intrinsic = values[inverse].view(env_reward.shape)
@@ -297,21 +291,18 @@ class IntrinsicReward:
                 if nonempty[i]:
                     self.add_to_pool(texts[i])
             self.steps_seen += inverse.numel()
-        if self.client is None:
-            return
-        if self.kind == "ranking":
-            pairs = [tuple(self.rng.sample(self.pair_pool, 2)) for _ in range(8)] if len(self.pair_pool) >= 2 else []
-            self.client.request([], pairs)
-            return
-        now = time.time()
-        new = [texts[i] for i in kept if texts[i] not in self.answered and texts[i] not in self.asked]
-        self.asked.update(dict.fromkeys(new, now))
-        again = []
-        if now - self.last_retry > RETRY_S:  # the annotator may have dropped them from a full backlog
-            again = [t for t, at in self.asked.items() if now - at > RETRY_S]
-            self.asked.update(dict.fromkeys(again, now))
-            self.last_retry = now
-        self.client.request(new + again, [])
+            if self.client is not None and len(self.pair_pool) >= 2:
+                self.client.request([], [tuple(self.rng.sample(self.pair_pool, 2)) for _ in range(8)])
+        elif self.client is not None:
+            now = time.time()
+            new = [texts[i] for i in kept if texts[i] not in self.answered and texts[i] not in self.asked]
+            self.asked.update(dict.fromkeys(new, now))
+            again = []
+            if now - self.last_retry > RETRY_S:  # the annotator may have dropped them from a full backlog
+                again = [t for t, at in self.asked.items() if now - at > RETRY_S]
+                self.asked.update(dict.fromkeys(again, now))
+                self.last_retry = now
+            self.client.request(new + again, [])
 
     def add_to_pool(self, text):
         """Reservoir sampling: the bounded pool stays a uniform sample of every step offered."""
@@ -404,20 +395,12 @@ class IntrinsicReward:
         return self.client.stats() if self.client is not None else {}
 
     def progress(self) -> str:
-        if self.client is None:
-            return ""
-        s = self.client.stats()
-        return (f" | llm labels {s.get('labels', 0):,} fail {s.get('failures', 0):,} "
-                f"backlog {s.get('backlog', 0):,}")
+        s = self.stats()
+        return (f" | llm labels {s.get('labels', 0):,} fail {s.get('failures', 0):,} backlog {s.get('backlog', 0):,}"
+                if s else "")
 
     def summary(self) -> dict:
         s = self.stats()
-        out = {"llm_labels": s.get("labels", 0), "llm_failures": s.get("failures", 0),
-               "llm_parse_failures": s.get("parse_failures", 0), "annotator_restarts": s.get("restarts", 0)}
-        if "answers_restricted" in s:
-            out["llm_answers_restricted"] = s["answers_restricted"]
-        return out
-
-
-def make(args, device) -> IntrinsicReward:
-    return IntrinsicReward(args, device)
+        return {"llm_labels": s.get("labels", 0), "llm_failures": s.get("failures", 0),
+                "llm_parse_failures": s.get("parse_failures", 0), "annotator_restarts": s.get("restarts", 0),
+                "llm_answers_restricted": s.get("answers_restricted")}  # None: chat prompts, or no LLM

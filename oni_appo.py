@@ -485,7 +485,8 @@ class Logger:
 
     def scalars(self, prefix, values, step):
         for k, v in values.items():
-            self.writer.add_scalar(f"{prefix}/{k}", v, step)
+            if isinstance(v, (int, float)):  # not the annotator's "fatal" line: that ends the run
+                self.writer.add_scalar(f"{prefix}/{k}", v, step)
 
 
 def train(args):

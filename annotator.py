@@ -265,7 +265,8 @@ def serve(urls, model, prompts, requests, labels, log, stats, stop, run_dir, kno
             key, entry = pair_key(*item), {"pair": list(item), "preference": answer}
         else:
             key, entry = item, {"caption": item, "label": answer}
-        done.add(key)
+        if answer is not None or isinstance(item, tuple):  # an unknown label may be asked again later
+            done.add(key)
         labels[key] = answer
         log.append(entry)
         out.write(json.dumps(entry) + "\n")

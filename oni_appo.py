@@ -106,8 +106,8 @@ class Args:
 
 
 # Flags that a resumed run takes from its command line; all others come from the checkpoint.
-RESUME_OVERRIDES = ("total_env_steps", "num_workers", "device", "track", "llm_url", "llm_threads",
-                    "checkpoint_every_s")
+RESUME_OVERRIDES = ("total_env_steps", "num_workers", "device", "track", "llm_url", "llm_model", "llm_threads",
+                    "prompt_file", "checkpoint_every_s")
 CROP = 12  # the paper's crop of the map around the agent
 ENDS = {"running": 0, "terminated": 1, "truncated": 2, "reset": 3}  # per-transition end codes
 
@@ -298,18 +298,18 @@ def env_worker(index, task, seed, num_envs, buffers, conn, max_episode_steps=env
         episodes = []
         for j in range(half_size):
             i = half * half_size + j
+            message, count, stepped = 0, 1, False  # a reset step produced no message
             try:
                 if t < 0:
                     write(b, 0, j, pool[i].reset()[0])
                     continue
-                message, count = 0, 1  # a reset step produced no message
                 if needs_reset[i]:
                     needs_reset[i] = False
                     (obs, _), reward, end = pool[i].reset(), 0.0, ENDS["reset"]
                 else:
                     obs, reward, terminated, truncated, info = pool[i].step(bufs["action"][b, t, j])
                     end = ENDS["terminated"] if terminated else ENDS["truncated"] if truncated else 0
-                    message, count = obs["message"].copy(), info["message_count"]  # a reset refills obs
+                    message, count, stepped = obs["message"].copy(), info["message_count"], True  # reset refills obs
                     if terminated or truncated:
                         episodes.append(info["episode"])
                     if terminated:
@@ -324,8 +324,9 @@ def env_worker(index, task, seed, num_envs, buffers, conn, max_episode_steps=env
                 crashes[i] += 1
                 pool[i] = envs.make_env(task, seed=seeds[i] + 1_000_003 * crashes[i],
                                         max_episode_steps=max_episode_steps)
-                (obs, _), reward, end, needs_reset[i] = pool[i].reset(), 0.0, ENDS["reset"], False
-                message, count = 0, 1
+                (obs, _), needs_reset[i] = pool[i].reset(), False
+                if not stepped:  # else the step ended its episode and only the reset failed: keep it
+                    reward, end, message, count = 0.0, ENDS["reset"], 0, 1
                 if t < 0:
                     write(b, 0, j, obs)
                     continue
@@ -392,8 +393,12 @@ def parse_args(argv=None) -> Args:
         path, checkpoint = load_checkpoint(args.resume)
         saved = saved_args(checkpoint, path)
         defaults = Args()
-        for name in RESUME_OVERRIDES:
+        for name in (f.name for f in dataclasses.fields(Args) if f.name not in ("resume", "run_dir")):
             if getattr(args, name) != getattr(defaults, name):
+                if name not in RESUME_OVERRIDES:
+                    print(f"--resume: ignoring --{name.replace('_', '-')}; the run keeps its saved value",
+                          file=sys.stderr)
+                    continue
                 setattr(saved, name, getattr(args, name))
         saved.resume, saved.run_dir = path, os.path.dirname(path)
         args = saved
@@ -460,10 +465,8 @@ def evaluate(args):
     summary = {k: float(np.mean([r[k] for r in results])) for k in results[0]}
     print(f"{len(results)} episodes of {saved.task} with {path}:")
     for k, v in summary.items():
-        spread = np.std([r[k] for r in results])
-        print(f"  {k:10s} {v:12.2f} +- {spread:.2f}")
-    out = os.path.join(os.path.dirname(path), "eval.json")
-    with open(out, "w") as f:
+        print(f"  {k:10s} {v:12.2f} +- {np.std([r[k] for r in results]):.2f}")
+    with open(os.path.join(os.path.dirname(path), "eval.json"), "w") as f:
         json.dump({"checkpoint": path, "episodes": results, "mean": summary}, f, indent=1)
     return summary
 
@@ -538,7 +541,7 @@ def train(args):
     # checkpoints (taken by the learner between updates) always see a whole update
     weights_lock, stop, checkpoint_due = threading.Lock(), threading.Event(), threading.Event()
     # the learner's per-update figures, drained by each progress log (a deque is thread-safe)
-    stats = {"updates": collections.deque(), "losses": {}, "error": None, "run": collections.defaultdict(float)}
+    stats = {"updates": collections.deque(), "losses": {}, "error": None, "run": collections.defaultdict(list)}
 
     def checkpoint():
         with weights_lock:
@@ -550,18 +553,15 @@ def train(args):
     def learner():
         try:
             while not stop.is_set():
-                if checkpoint_due.is_set():
-                    checkpoint_due.clear()
-                    checkpoint()
-                try:
-                    ids = [full.get(timeout=0.5)]
-                except queue.Empty:
-                    continue
+                ids = []
                 while len(ids) < per_batch and not stop.is_set():
+                    if checkpoint_due.is_set():  # between two updates
+                        checkpoint_due.clear()
+                        checkpoint()
                     try:
                         ids.append(full.get(timeout=0.5))
                     except queue.Empty:
-                        continue
+                        pass
                 if stop.is_set():
                     break
                 index = torch.tensor(ids)
@@ -695,7 +695,7 @@ def train(args):
                 last_checkpoint = now
     finally:
         stop.set()
-        learner_thread.join(timeout=30)
+        learner_thread.join()  # it stops after the update at hand, so the last checkpoint sees a whole one
         for conn in conns:
             try:
                 conn.send(None)
@@ -714,10 +714,11 @@ def train(args):
     summary = {"env_steps": counters["env_steps"], "updates": counters["updates"],
                "episodes": counters["episodes"], "sps": (counters["env_steps"] - start_steps) / elapsed,
                "wall_time_s": elapsed}
-    run = stats["run"]
-    summary.update(policy_lag_mean=run["lag_sum"] / max(run["updates"], 1), intrinsic_max_reward=run["max_reward"],
-                   intrinsic_terminal_step_reward=run["terminal_sum"] / run["terminal_updates"]
-                   if run["terminal_updates"] else None)
+    run = {k: v for k, v in stats["run"].items() if v}  # this session's logging windows
+    summary.update({"policy_lag_mean": float(np.mean(run.get("lag_mean", [0.0]))),
+                    "intrinsic_max_reward": max(run.get("max_reward", [0.0])),
+                    "intrinsic_terminal_step_reward": float(np.mean(run["terminal_step_reward"]))
+                    if "terminal_step_reward" in run else None})
     summary.update(summary_stats(args.run_dir, counters))
     summary.update(intrinsic.summary())
     with open(os.path.join(args.run_dir, "summary.json"), "w") as f:
@@ -736,14 +737,10 @@ def log_progress(logger, counters, stats, episode_stats, start_steps, start_time
     steps = counters["env_steps"]
     sps = (steps - start_steps) / (now - start_time)
     window = [stats["updates"].popleft() for _ in range(len(stats["updates"]))]  # updates since the last log
-    run = stats["run"]  # whole-run figures for summary.json
-    for u in window:
-        run["lag_sum"], run["updates"] = run["lag_sum"] + u["lag_mean"], run["updates"] + 1
-        run["max_reward"] = max(run["max_reward"], u.get("max_reward", 0.0))
-        if "terminal_step_reward" in u:
-            run["terminal_sum"], run["terminal_updates"] = run["terminal_sum"] + u["terminal_step_reward"], run["terminal_updates"] + 1
     figures = {k: [u[k] for u in window if k in u] for k in {k for u in window for k in u}}
     figures = {k: max(v) if k.endswith("max") or k.startswith("max") else float(np.mean(v)) for k, v in figures.items()}
+    for k, v in figures.items():  # whole-run figures for summary.json
+        stats["run"][k].append(v)
     lag_mean, lag_max = figures.pop("lag_mean", 0.0), int(figures.pop("lag_max", 0))
     logger.scalars("charts", {"SPS": sps, "policy_lag_mean": lag_mean, "policy_lag_max": lag_max,
                               "updates": counters["updates"]}, steps)

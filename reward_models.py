@@ -36,6 +36,7 @@ PAIR_POOL_SIZE = 100_000  # beyond this the pool is a uniform sample of all of t
 RECENT_BATCHES = 8  # ranking statistics are taken over the steps of the last 8 learner batches
 RANKING_CLIP = 5.0  # a ranking reward is a z-score: at most 5 standard deviations
 MIN_SPREAD = 0.5  # ...of a model whose outputs differ by at least this (Bradley-Terry log-odds)
+FIT_RECALL = 0.9  # the classifier pays once it recalls this share of each class in its latest minibatch
 RETRY_S = 60.0  # a caption still unanswered this long after it was asked is asked again
 
 
@@ -136,13 +137,7 @@ class RankingNorm:
         if self.mean is None:
             return torch.zeros_like(values)
         z = ((values - self.mean) / self.std).clamp(-RANKING_CLIP, RANKING_CLIP)
-        return torch.where(values > self.median, z, torch.zeros_like(z))
-
-    def state_dict(self):
-        return {"mean": self.mean, "std": self.std, "median": self.median}
-
-    def load_state_dict(self, state):
-        self.mean, self.std, self.median = state["mean"], state["std"], state["median"]
+        return torch.where(values > self.median + 1e-3, z, torch.zeros_like(z))  # outputs jitter ~1e-6 by batch
 
 
 class SentenceEmbedder:
@@ -182,7 +177,7 @@ class IntrinsicReward:
         self.recent = collections.deque(maxlen=RECENT_BATCHES)  # (texts, step counts) of recent batches
         self.new_labels = 0
         self.owed_steps = 0.0
-        self.model_steps = 0
+        self.model_steps, self.fitted = 0, False
         self.model, self.optimizer, self.norm = None, None, RankingNorm()
         if self.kind == "classification":
             self.model = Classifier().to(device)
@@ -210,8 +205,9 @@ class IntrinsicReward:
             self.client.close()
 
     def state_dict(self):
-        state = {"pair_pool": self.pair_pool, "steps_seen": self.steps_seen, "norm": self.norm.state_dict(),
-                 "model_steps": self.model_steps, "pool_offers": self.pool_offers, "rng": self.rng.getstate()}
+        state = {"pair_pool": self.pair_pool, "steps_seen": self.steps_seen, "norm": dict(vars(self.norm)),
+                 "model_steps": self.model_steps, "pool_offers": self.pool_offers, "rng": self.rng.getstate(),
+                 "fitted": self.fitted}
         if self.optimizer is not None:
             state.update(model=self.model.state_dict(), optimizer=self.optimizer.state_dict())
         return state
@@ -220,8 +216,8 @@ class IntrinsicReward:
         if not state:
             return
         self.pair_pool, self.steps_seen = state["pair_pool"], state["steps_seen"]
-        self.model_steps, self.pool_offers = state["model_steps"], state["pool_offers"]
-        self.norm.load_state_dict(state["norm"])
+        self.model_steps, self.pool_offers, self.fitted = state["model_steps"], state["pool_offers"], state["fitted"]
+        vars(self.norm).update(state["norm"])
         self.rng.setstate(state["rng"])
         if self.optimizer is not None and "model" in state:
             self.model.load_state_dict(state["model"])
@@ -237,11 +233,12 @@ class IntrinsicReward:
             if "pair" in record:
                 first, second = record["pair"]
                 self.pairs.append((first, second, annotator.preference_probability(record["preference"])))
+            elif record["label"] is None:  # unparseable twice: asked again after RETRY_S
+                self.asked[record["caption"]] = time.time()
             else:
-                self.answered.add(record["caption"])  # asked once is enough, even if unknown
+                self.answered.add(record["caption"])
                 self.asked.pop(record["caption"], None)
-                if record["label"] is not None:
-                    self.labels[record["caption"]] = float(record["label"])
+                self.labels[record["caption"]] = float(record["label"])
             self.new_labels += 1
 
     # -- the reward -----------------------------------------------------------------------------
@@ -276,7 +273,7 @@ class IntrinsicReward:
             return torch.zeros(len(texts), device=self.device)
         self.model.eval()
         if self.kind == "classification":
-            return (self.model(rows).softmax(-1)[:, 1] > 0.5).float()
+            return (self.model(rows).softmax(-1)[:, 1] > 0.5).float() * self.fitted
         raw = self.model(rows)
         return raw if self.args.raw_ranking else self.norm(raw)
 
@@ -300,6 +297,7 @@ class IntrinsicReward:
             again = []
             if now - self.last_retry > RETRY_S:  # the annotator may have dropped them from a full backlog
                 again = [t for t, at in self.asked.items() if now - at > RETRY_S]
+                self.rng.shuffle(again)  # a full backlog drops the oldest: let a different part survive each time
                 self.asked.update(dict.fromkeys(again, now))
                 self.last_retry = now
             self.client.request(new + again, [])
@@ -366,7 +364,10 @@ class IntrinsicReward:
             labels = torch.tensor([int(v) for _, v in items], device=self.device)
             share = labels.float().mean().clamp(0.01, 0.99)  # class-balanced: both classes weigh half
             weights = torch.stack([0.5 / (1 - share), 0.5 / share])
-            loss = F.cross_entropy(self.model_on([t for t, _ in items]), labels, weight=weights)
+            logits = self.model_on([t for t, _ in items])
+            loss = F.cross_entropy(logits, labels, weight=weights)
+            hits = logits.argmax(-1) == labels  # pays only once it tells its own labels apart
+            self.fitted = all((labels == c).any() and hits[labels == c].float().mean() >= FIT_RECALL for c in (0, 1))
         else:
             items = self.rng.choices(self.pairs, k=batch_size)
             rewards = self.model_on([p[0] for p in items] + [p[1] for p in items])
@@ -379,16 +380,20 @@ class IntrinsicReward:
         self.model_steps += 1
         return loss.item()
 
-    def fit_offline(self, epochs=10):
-        """Motif: train the ranking model on the given pairs once, then freeze it and its statistics,
-        taken over the annotated messages as often as they occur in the dataset."""
-        for _ in range(max(1, epochs * len(self.pairs) // 256)):
+    def fit_offline(self, epochs=10, min_steps=300):
+        """Motif: train the ranking model on the given pairs once (10 epochs, at least 300 steps: a small
+        file would leave it untrained), then freeze it and its statistics, taken over the annotated
+        messages as often as they occur in the dataset."""
+        for _ in range(max(min_steps, epochs * len(self.pairs) // 256)):
             self.fit_batch()
         self.model.eval()
         occurrences = collections.Counter(t for p in self.pairs for t in p[:2] if t)
         with torch.no_grad():
             self.norm.fit(self.model_on(list(occurrences)),
                           torch.tensor(list(occurrences.values()), device=self.device))
+        if self.norm.mean is None and not self.args.raw_ranking:
+            raise SystemExit(f"error: the reward model trained on {self.args.labels_from} does not tell its "
+                             f"messages apart (outputs span < {MIN_SPREAD}): it would pay nothing; give it more pairs")
 
     # -- reporting -------------------------------------------------------------------------------
     def stats(self) -> dict:

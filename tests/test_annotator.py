@@ -203,9 +203,15 @@ def test_garbage_answers_are_counted_retried_once_then_unknown(fake, tmp_path):
     a = Annotator(fake.url, tmp_path)
     a.send(CAPTIONS[:3], pairs=[("a", "b")])
     assert a.wait_for(lambda: len(a.labels) == 4)
-    a.close()
     assert set(a.labels.values()) == {None}
     assert a.stats["parse_failures"] == 8 and a.stats["requests"] == 8 and a.stats["labels"] == 4
+    fake.mode = "ok"  # an unknown label may be asked again later (the learner does, after RETRY_S)
+    a.send(CAPTIONS[:1], pairs=[("a", "b")])  # a pair that ended as a tie is an answer: not asked again
+    assert a.wait_for(lambda: a.labels[CAPTIONS[0]] is not None)
+    time.sleep(0.3)
+    a.close()
+    assert a.labels[CAPTIONS[0]] == expected_labels()[CAPTIONS[0]]
+    assert a.stats["requests"] == 9 and a.stats["labels"] == 5
 
 
 def test_known_captions_are_not_asked_again_and_the_backlog_is_bounded(fake, tmp_path, monkeypatch):

@@ -447,3 +447,15 @@ def test_an_llm_error_retrying_cannot_fix_stops_the_run_with_a_checkpoint(tmp_pa
     assert f"--resume {run_dir}" in last and "Traceback" not in result.stderr
     saved = torch.load(os.path.join(run_dir, "checkpoint.pt"), weights_only=False)
     assert saved["counters"]["updates"] >= 1
+
+
+def test_resume_takes_the_llm_flags_and_names_the_flags_it_ignores(tmp_path, capsys):
+    """After "error: annotator: HTTP 404 ... model does not exist", --resume with the right model must work."""
+    import dataclasses
+    path = str(tmp_path / "checkpoint.pt")
+    saved = oni_appo.Args(reward_type="ranking", llm_model="wrong-model", run_dir=str(tmp_path))
+    oni_appo.save_checkpoint(path, {"model": {}, "counters": {}, "args": dataclasses.asdict(saved)})
+    args = oni_appo.parse_args(["--resume", path, "--llm-model", "right-model", "--prompt-file", "fixed.json",
+                                "--lr", "0.5"])
+    assert (args.llm_model, args.prompt_file, args.lr, args.reward_type) == ("right-model", "fixed.json", 1e-4, "ranking")
+    assert "--resume: ignoring --lr" in capsys.readouterr().err

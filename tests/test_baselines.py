@@ -98,6 +98,8 @@ def test_motif_trains_end_to_end_from_a_labels_file(tmp_path):
     with torch.no_grad():
         scores = model.eval()(reward_models.to_rows(HELPFUL + UNHELPFUL))
     assert min(scores[:2]) > max(scores[2:]), scores.tolist()
+    assert checkpoint["intrinsic"]["norm"]["mean"] is not None  # its statistics are set: it pays
+    assert json.load(open(os.path.join(run_dir, "summary.json")))["intrinsic_max_reward"] > 0
 
 
 def test_motif_without_usable_labels_is_a_one_line_error(tmp_path):

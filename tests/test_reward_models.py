@@ -220,7 +220,7 @@ def test_motif_trains_offline_from_pairs_then_stays_frozen(tmp_path):
     good, bad = "You kill the newt!", "It's a wall."
     path = tmp_path / "pairs.jsonl"
     with open(path, "w") as f:
-        for _ in range(1500):
+        for _ in range(300):
             f.write(json.dumps({"pair": [good, bad], "preference": 1}) + "\n")
             f.write(json.dumps({"pair": [bad, good], "preference": 2}) + "\n")
     model = rm.IntrinsicReward(make_args(reward_type="motif", labels_from=str(path), raw_ranking=True), "cpu")
@@ -232,9 +232,9 @@ def test_motif_trains_offline_from_pairs_then_stays_frozen(tmp_path):
     assert scores[0] > scores[1]
     # normalized: statistics taken once over the dataset's messages, not moved by what the agent sees
     model = rm.IntrinsicReward(make_args(reward_type="motif", labels_from=str(path)), "cpu")
-    frozen = model.norm.state_dict()
+    frozen = dict(vars(model.norm))
     rewards, _ = model.rewards(*steps_of([(good, 3), (bad, 300), ("You hear a door open.", 100)]))
-    assert model.norm.state_dict() == frozen
+    assert vars(model.norm) == frozen
     assert model.score(rm.to_rows([good, bad]), [good, bad]).tolist() == [pytest.approx(1.0, abs=1e-3), 0.0]
     with pytest.raises(SystemExit, match="motif needs --labels-from"):
         rm.IntrinsicReward(make_args(reward_type="motif"), "cpu")
@@ -327,27 +327,34 @@ def test_ranking_rewards_are_bounded_z_scores_from_the_first_rewarded_update(tmp
     assert per_step(preferred) > 1.0 and per_step(preferred) > 10 * per_step(others), (per_step(preferred), per_step(others))
 
 
-def test_a_classifier_pays_nothing_until_it_has_labels_of_both_classes():
-    torch.manual_seed(0)
-    model = rm.IntrinsicReward(make_args(reward_type="classification"), "cpu")
+@pytest.mark.parametrize("seed", [1, 2])
+def test_a_classifier_pays_only_once_it_tells_its_labels_apart(seed):
+    """Issue 12's start: 2 helpful labels, then one unhelpful label per update. Before, the first fit
+    on one class (or one barely trained fit) paid every message on these seeds."""
+    torch.manual_seed(seed)
+    model = rm.IntrinsicReward(make_args(reward_type="classification", seed=seed), "cpu")
     model.client = None
-    texts = ["It's a wall.", "You die...", "You kill the newt!"]
-    model.add_records([{"caption": "You kill the newt!", "label": 1}, {"caption": "You see here 5 gold pieces.", "label": 1}])
-    for _ in range(3):
-        assert model.train_step() == {}  # one class: nothing to learn a boundary from
-        assert model.score(rm.to_rows(texts), texts).tolist() == [0.0, 0.0, 0.0]
-    model.add_records([{"caption": f"The {m} misses!", "label": 0} for m in MONSTERS] + [{"caption": "It's a wall.", "label": 0}])
-    assert model.train_step()["reward_model_data"] == len(MONSTERS) + 3  # both classes: a first fit
-    assert model.model_steps == rm.BURST
-    assert model.score(rm.to_rows(texts), texts).tolist()[:2] == [0.0, 0.0]
-    for _ in range(8):  # then training follows the labels as they arrive: 32 steps per 100
-        model.add_records([{"caption": f"The {m} bites!", "label": 0} for m in MONSTERS[:4]])
+    helpful = ["You kill the newt!", "You see here 5 gold pieces."]
+    unhelpful = ["It's a wall.", "You die..."] + [f"The {m} bites!" for m in MONSTERS] + [f"You miss the {m}." for m in MONSTERS]
+
+    def paid_sensibly(seen):
+        R = model.score(rm.to_rows(helpful + seen), helpful + seen)
+        return not R.any() or (R[:2].sum() >= 1 and R[2:].mean() <= 0.1)
+
+    model.add_records([{"caption": c, "label": 1} for c in helpful])
+    assert model.train_step() == {} and model.model_steps == 0  # one class: nothing to learn a boundary from
+    for u, caption in enumerate(unhelpful):
+        model.add_records([{"caption": caption, "label": 0}])
         model.train_step()
-    assert model.model_steps == rm.BURST + int(8 * 4 * rm.STEPS_PER_LABEL)
-    assert model.score(rm.to_rows(texts), texts).tolist()[:2] == [0.0, 0.0]
-    model.add_records([{"caption": f"You see {m}.", "label": 0} for m in range(1000)])
-    model.train_step()
-    assert model.model_steps == 2 * rm.BURST + int(8 * 4 * rm.STEPS_PER_LABEL)  # at most 32 per update
+        assert paid_sensibly(unhelpful[:u + 1]), u
+    assert model.model_steps == rm.BURST + int((len(unhelpful) - 1) * rm.STEPS_PER_LABEL)  # 32, then 0.32 a label
+    for _ in range(300):
+        model.fit_batch()
+        if model.fitted:
+            break
+    assert model.fitted and paid_sensibly(unhelpful)
+    R = model.score(rm.to_rows(helpful + unhelpful), helpful + unhelpful)
+    assert R.sum() >= 1  # and, fitted, it does pay
 
 
 def test_every_caption_seen_is_labelled_after_the_backlog_overflowed(tmp_path, monkeypatch):

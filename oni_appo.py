@@ -408,6 +408,8 @@ def parse_args(argv=None) -> Args:
         fail(f"unknown reward type {args.reward_type!r}; choose one of {', '.join(reward_models.REWARD_TYPES)}")
     if args.num_workers < 1 or args.num_envs_per_worker < 2 or args.num_envs_per_worker % 2:
         fail("need --num-workers >= 1 and an even --num-envs-per-worker >= 2")
+    if args.max_episode_steps < 1 or (args.llm_threads is not None and args.llm_threads < 1):
+        fail("need --max-episode-steps >= 1 and --llm-threads >= 1")
     slot_steps = args.rollout * args.num_envs_per_worker // 2
     if args.batch_size % slot_steps:
         fail(f"--batch-size must be a multiple of rollout * num_envs_per_worker / 2 = {slot_steps}")

@@ -115,8 +115,8 @@ def bradley_terry_loss(first, second, preference):
 class RankingNorm:
     """Ranking rewards as z-scores of the *current* reward model over recent steps: the mean, std and
     median are taken over the messages of recent steps (frequency-weighted, the empty message
-    excluded) and refitted after every training burst. R = z for messages strictly above the step
-    median, else 0, clipped to +-RANKING_CLIP. Nothing is paid before the first fit, nor while the model's
+    excluded) and refitted after every training burst. R = z for messages above the step median,
+    else 0, clipped to +-RANKING_CLIP. Nothing is paid before the first fit, nor while the model's
     outputs over those messages span less than MIN_SPREAD: a z-score would turn its noise into rewards."""
 
     def __init__(self):
@@ -168,7 +168,7 @@ class IntrinsicReward:
         self.rng = random.Random(getattr(args, "seed", 0))  # pair and minibatch sampling
         self.labels: dict[str, float] = {}  # caption -> 1.0 / 0.0 (retrieval, classification)
         self.pairs: list[tuple[str, str, float]] = []  # (first, second, p(first is better))
-        self.answered: set[str] = set()  # captions the LLM answered (a label, or unknown)
+        self.answered: set[str] = set()  # captions the LLM labelled
         self.asked: dict[str, float] = {}  # captions asked and not yet answered -> when last asked
         self.last_retry = time.time()
         self.pair_pool: list[str] = []

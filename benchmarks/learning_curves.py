@@ -1,0 +1,237 @@
+"""Learning curves: train a few configurations of oni_appo.py over seeds, then plot and tabulate them.
+
+    python benchmarks/learning_curves.py                                  # all four configs, seed 1
+    python benchmarks/learning_curves.py --configs free_none free_ranking --seeds 1 2 3
+    python benchmarks/learning_curves.py --steps 2e9 -- --llm-url http://gpu:8000/v1   # the paper's scale
+    python benchmarks/learning_curves.py --plot results/curves/free_none runs/some_run  # only plot
+
+Configurations (steps by default):
+    score_extrinsic  --task NetHackScoreExtendedActions-v1 --reward-type none           1,000,000
+    free_none        --extrinsic-coef 0 --reward-type none                                500,000
+    free_retrieval   --extrinsic-coef 0 --reward-type retrieval                           500,000
+    free_ranking     --extrinsic-coef 0 --reward-type ranking                             500,000
+Each run goes to OUT/CONFIG/seedS (console.log holds its output). Runs are resumable: a run whose
+summary.json reached the steps is skipped, one with a checkpoint.pt is continued with --resume.
+Everything after `--` goes verbatim to oni_appo.py. OUT/wall_times.json holds each run's wall time.
+
+Plotting takes config dirs (holding seed*/episodes.jsonl) or run dirs (holding episodes.jsonl).
+OUT/curves.png: score, kills, depth, explored and intrinsic return against env steps; per seed the
+episodes' means in 25 equal bins of env steps, per config the mean over seeds (line) and their
+min-max (shaded). OUT/curves.md: per config the last-100-episode means (mean ± std over seeds).
+"""
+import argparse
+import glob
+import json
+import os
+import subprocess
+import sys
+import time
+import warnings
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCORE = "NetHackScoreExtendedActions-v1"
+# name: (task, reward type, extrinsic coef (None: oni_appo's default), default env steps)
+CONFIGS = {
+    "score_extrinsic": (SCORE, "none", None, 1_000_000),
+    "free_none": (SCORE, "none", 0, 500_000),
+    "free_retrieval": (SCORE, "retrieval", 0, 500_000),
+    "free_ranking": (SCORE, "ranking", 0, 500_000),
+}
+METRICS = ["score", "kills", "depth", "explored", "intrinsic_return"]
+BINS, WINDOW = 25, 100
+
+
+def run_command(run_dir, task, reward, coef, seed, steps, extra):
+    """The oni_appo.py command for this run dir, or None when it is complete."""
+    summary = os.path.join(run_dir, "summary.json")
+    if os.path.exists(summary) and json.load(open(summary)).get("env_steps", 0) >= steps:
+        return None
+    if os.path.exists(os.path.join(run_dir, "checkpoint.pt")):
+        return [sys.executable, "oni_appo.py", "--resume", run_dir, "--total-env-steps", str(steps), *extra]
+    command = [sys.executable, "oni_appo.py", "--task", task, "--reward-type", reward]
+    if coef is not None:
+        command += ["--extrinsic-coef", str(coef)]
+    return command + ["--seed", str(seed), "--total-env-steps", str(steps), "--run-dir", run_dir, *extra]
+
+
+def execute(command, log):
+    """Runs command in ROOT, output to log; returns its exit code. Not subprocess.run: on Ctrl-C (which the
+    run gets too) that kills the run at once, while oni_appo.py needs a moment to save its checkpoint."""
+    with subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT) as process:
+        try:
+            return process.wait()
+        except KeyboardInterrupt:
+            process.wait()
+            raise
+
+
+def run_all(args, extra):
+    """Runs every config x seed in turn; returns the number of failed runs."""
+    times_path = os.path.join(args.out, "wall_times.json")
+    wall_times = json.load(open(times_path)) if os.path.exists(times_path) else {}
+    failures = 0
+    for name in args.configs:
+        task, reward, coef, steps = CONFIGS[name]
+        steps = args.steps or steps
+        for seed in args.seeds:
+            run_dir = os.path.abspath(os.path.join(args.out, name, f"seed{seed}"))  # oni_appo runs in ROOT
+            command = run_command(run_dir, task, reward, coef, seed, steps, extra)
+            if command is None:
+                print(f"{name}/seed{seed}: complete ({steps:,} steps), skipped", flush=True)
+                continue
+            os.makedirs(run_dir, exist_ok=True)
+            episodes = os.path.join(run_dir, "episodes.jsonl")
+            if "--run-dir" in command and os.path.exists(episodes):  # a fresh start must not append to old episodes
+                os.replace(episodes, episodes + ".old")
+            print(f"{name}/seed{seed}: start {' '.join(command[1:])}", flush=True)
+            start = time.time()
+            with open(os.path.join(run_dir, "console.log"), "a") as log:
+                rc = execute(command, log)
+            seconds = time.time() - start
+            wall_times[f"{name}/seed{seed}"] = wall_times.get(f"{name}/seed{seed}", 0.0) + seconds  # over resumes
+            with open(times_path, "w") as f:
+                json.dump(wall_times, f, indent=1)
+            if rc != 0:
+                failures += 1
+                print(f"error: {name}/seed{seed} exited with {rc} after {seconds:,.0f} s; see {run_dir}/console.log",
+                      flush=True)
+            else:
+                print(f"{name}/seed{seed}: done in {seconds:,.0f} s", flush=True)
+    return failures
+
+
+def load_episodes(path):
+    """A file's episodes; older files lack env_steps (-> cumulative episode steps) and intrinsic_return (-> 0)."""
+    episodes = [json.loads(line) for line in open(path) if line.strip()]
+    cumulative = np.cumsum([e["steps"] for e in episodes])
+    for e, steps in zip(episodes, cumulative):
+        e.setdefault("env_steps", int(steps))
+        e.setdefault("intrinsic_return", 0.0)
+    return episodes
+
+
+def load_runs(dirs):
+    """{config name: [episodes of each seed]} from config dirs (seed*/episodes.jsonl) or run dirs."""
+    runs = {}
+    for d in dirs:
+        d = os.path.normpath(d)
+        if os.path.exists(os.path.join(d, "episodes.jsonl")):
+            files = [os.path.join(d, "episodes.jsonl")]
+        else:
+            files = sorted(glob.glob(os.path.join(d, "seed*", "episodes.jsonl")))
+        if not files:
+            raise SystemExit(f"error: no episodes.jsonl in {d} nor in {d}/seed*/")
+        name = os.path.basename(d) if os.path.basename(d) not in runs else d
+        runs[name] = [load_episodes(f) for f in files]
+    return runs
+
+
+def across_seeds(values):
+    """'mean ± std' over seeds (std with numpy's ddof=0), or the value alone for one seed."""
+    return f"{np.mean(values):.2f}" + (f" ± {np.std(values):.2f}" if len(values) > 1 else "")
+
+
+def best_window(values):
+    """The highest mean over WINDOW consecutive values (over all of them when there are fewer)."""
+    n = min(WINDOW, len(values))
+    return np.convolve(values, np.ones(n) / n, "valid").max()
+
+
+def table(runs):
+    """Markdown table: per config, means over each seed's last 100 episodes, then across seeds."""
+    columns = METRICS + ["steps"]
+    lines = ["| config | seeds | env steps | " + " | ".join(f"{c} (last {WINDOW})" for c in columns)
+             + f" | score (first {WINDOW}) | score (best {WINDOW}) |",
+             "|---" * (len(columns) + 5) + "|"]
+    for name, seeds in runs.items():
+        env_steps = min(s[-1]["env_steps"] for s in seeds)
+        cells = [across_seeds([np.mean([e[c] for e in s[-WINDOW:]]) for s in seeds]) for c in columns]
+        first = across_seeds([np.mean([e["score"] for e in s[:WINDOW]]) for s in seeds])
+        best = across_seeds([best_window([e["score"] for e in s]) for s in seeds])
+        lines.append(f"| {name} | {len(seeds)} | {env_steps:,} | " + " | ".join(cells) + f" | {first} | {best} |")
+    return "\n".join(lines) + "\n"
+
+
+def binned(seeds, metric):
+    """Bin centers and a [seed, bin] array of per-bin means (NaN where a seed has no episode)."""
+    edges = np.linspace(0, max(e["env_steps"] for s in seeds for e in s), BINS + 1)
+    means = np.full((len(seeds), BINS), np.nan)
+    for i, s in enumerate(seeds):
+        x = np.array([e["env_steps"] for e in s])
+        y = np.array([e[metric] for e in s], dtype=float)
+        which = np.clip(np.searchsorted(edges, x, side="right") - 1, 0, BINS - 1)
+        for b in np.unique(which):
+            means[i, b] = y[which == b].mean()
+    return (edges[:-1] + edges[1:]) / 2, means
+
+
+def plot(runs, path):
+    """One PNG: a panel per metric, per config the mean over seeds and their min-max shaded."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 3, figsize=(15, 8.5))
+    for ax, metric in zip(axes.flat, METRICS):
+        for k, (name, seeds) in enumerate(runs.items()):
+            x, means = binned(seeds, metric)
+            color, label = f"C{k}", f"{name} ({len(seeds)} seed{'s' * (len(seeds) > 1)})"
+            with warnings.catch_warnings():  # bins no seed reached are NaN: gaps in the line
+                warnings.simplefilter("ignore", RuntimeWarning)
+                ax.plot(x, np.nanmean(means, axis=0), color=color, label=label)
+                if len(seeds) > 1:
+                    ax.fill_between(x, np.nanmin(means, axis=0), np.nanmax(means, axis=0), color=color, alpha=0.2)
+        ax.set_title(metric.replace("_", " "))
+        ax.set_xlabel("env steps")
+        ax.grid(alpha=0.3)
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    axes.flat[-1].axis("off")
+    axes.flat[-1].legend(handles, labels, loc="center", title=f"mean over seeds (min-max shaded), {BINS} bins")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def report(dirs, out, figure):
+    """Writes the figure and OUT/curves.md, prints the table."""
+    os.makedirs(out, exist_ok=True)
+    runs, figure, markdown = load_runs(dirs), figure or os.path.join(out, "curves.png"), os.path.join(out, "curves.md")
+    plot(runs, figure)
+    with open(markdown, "w") as f:
+        f.write(table(runs))
+    print(table(runs) + f"figure: {figure}; table: {markdown}")
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[:argv.index("--")] if "--" in argv else argv
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
+    parser.add_argument("--seeds", nargs="+", type=int, default=[1])
+    parser.add_argument("--steps", type=lambda s: int(float(s)), default=None,
+                        help="env steps of every config (accepts 2e9; default: each config's own)")
+    parser.add_argument("--num-workers", type=int, default=None, help="passed to oni_appo.py")
+    parser.add_argument("--out", default="results/curves")
+    parser.add_argument("--figure", default=None, help="PNG path (default OUT/curves.png)")
+    parser.add_argument("--plot", nargs="+", metavar="DIR", help="only plot these config or run dirs")
+    args = parser.parse_args(argv)
+    if args.plot:
+        report(args.plot, args.out, args.figure)
+        return 0
+    if args.num_workers is not None:
+        extra = ["--num-workers", str(args.num_workers)] + extra
+    failures = run_all(args, extra)
+    dirs = [os.path.join(args.out, n) for n in args.configs
+            if glob.glob(os.path.join(args.out, n, "seed*", "episodes.jsonl"))]
+    if dirs:
+        report(dirs, args.out, args.figure)
+    if failures:
+        print(f"error: {failures} run(s) failed", file=sys.stderr)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""benchmarks/learning_curves.py on a synthetic layout: table values by hand, the PNG, old files'
+missing keys, and which oni_appo.py commands the resumable runner builds (no training)."""
+import json
+import os
+import sys
+
+from benchmarks import learning_curves as lc
+
+
+def write_episodes(path, episodes):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.writelines(json.dumps(e) + "\n" for e in episodes)
+
+
+def synthetic(tmp_path):
+    """cfg: 2 seeds, score = episode index (+10 on seed 2), new keys; run: a bare run dir of an old
+    file (no env_steps, no intrinsic_return), 7 steps per episode, score = 2 x index."""
+    for seed, offset in ((1, 0), (2, 10)):
+        write_episodes(tmp_path / "cfg" / f"seed{seed}" / "episodes.jsonl", [
+            {"return": 1.0, "steps": 10, "score": i + offset, "kills": 1, "depth": 1, "explored": 50,
+             "intrinsic_return": 0.5, "intrinsic_rewarded_fraction": 0.1, "env_steps": 1000 * (i + 1) + seed}
+            for i in range(300)])
+    write_episodes(tmp_path / "run" / "episodes.jsonl", [
+        {"return": 1.0, "steps": 7, "score": 2 * i, "kills": 0, "depth": 2, "explored": 30} for i in range(300)])
+    return [str(tmp_path / "cfg"), str(tmp_path / "run")]
+
+
+def rows(text):
+    """{config: {column: cell}} from the markdown table."""
+    lines = [[c.strip() for c in line.strip("|").split("|")] for line in text.strip().splitlines()]
+    return {cells[0]: dict(zip(lines[0], cells)) for cells in lines[2:]}
+
+
+def test_table_and_figure(tmp_path, capsys):
+    dirs = synthetic(tmp_path)
+    runs = lc.load_runs(dirs)
+    assert list(runs) == ["cfg", "run"] and [len(s) for s in runs.values()] == [2, 1]
+    assert runs["run"][0][-1]["env_steps"] == 2100 and runs["run"][0][0]["intrinsic_return"] == 0.0
+
+    out = tmp_path / "out"
+    assert lc.main(["--plot", *dirs, "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert open(out / "curves.md").read() in printed
+    table = rows(open(out / "curves.md").read())
+    cfg, run = table["cfg"], table["run"]
+    assert cfg["seeds"] == "2" and cfg["env steps"] == "300,001"  # min over seeds of the last env_steps
+    assert cfg["score (last 100)"] == "254.50 ± 5.00"  # seeds: mean(200..299) = 249.5 and 259.5
+    assert cfg["score (first 100)"] == "54.50 ± 5.00" and cfg["score (best 100)"] == "254.50 ± 5.00"
+    assert cfg["intrinsic_return (last 100)"] == "0.50 ± 0.00" and cfg["steps (last 100)"] == "10.00 ± 0.00"
+    assert run["seeds"] == "1" and run["env steps"] == "2,100"  # 300 episodes x 7 steps, summed
+    assert run["score (last 100)"] == "499.00" and run["score (first 100)"] == "99.00"
+    assert run["depth (last 100)"] == "2.00" and run["intrinsic_return (last 100)"] == "0.00"
+
+    png = (out / "curves.png").read_bytes()
+    assert len(png) > 1000 and png[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_execute(tmp_path):
+    with open(tmp_path / "console.log", "a") as log:
+        assert lc.execute([sys.executable, "-c", "import os; print(os.getcwd()); raise SystemExit(3)"], log) == 3
+    assert open(tmp_path / "console.log").read().strip() == lc.ROOT  # runs in the repo root, output logged
+
+
+def test_runner_commands(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    os.makedirs(out / "free_none" / "seed1")
+    (out / "free_none" / "seed1" / "summary.json").write_text(json.dumps({"env_steps": 500_123}))  # complete
+    os.makedirs(out / "free_none" / "seed2")
+    (out / "free_none" / "seed2" / "checkpoint.pt").write_bytes(b"")  # interrupted
+    write_episodes(out / "free_ranking" / "seed1" / "episodes.jsonl", [{"steps": 1}])  # a start that saved nothing
+    calls = []
+
+    def fake_execute(command, log):
+        calls.append(command)
+        return 1 if "--resume" in command else 0  # the resume fails
+
+    monkeypatch.setattr(lc, "execute", fake_execute)
+    argv = ["--configs", "free_none", "free_ranking", "--seeds", "1", "2", "--out", str(out), "--num-workers", "2",
+            "--", "--llm-url", "http://gpu:8000/v1"]
+    assert lc.main(argv) == 1  # a run failed, the others still ran
+    run_dirs = [c[c.index("--resume") + 1] if "--resume" in c else c[c.index("--run-dir") + 1] for c in calls]
+    assert run_dirs == [str(out / "free_none" / "seed2"), str(out / "free_ranking" / "seed1"),
+                        str(out / "free_ranking" / "seed2")]
+    resume, fresh = calls[0], calls[1]
+    assert resume[1:] == ["oni_appo.py", "--resume", str(out / "free_none" / "seed2"), "--total-env-steps", "500000",
+                          "--num-workers", "2", "--llm-url", "http://gpu:8000/v1"]
+    assert fresh[1:] == ["oni_appo.py", "--task", "NetHackScoreExtendedActions-v1", "--reward-type", "ranking",
+                         "--extrinsic-coef", "0", "--seed", "1", "--total-env-steps", "500000",
+                         "--run-dir", str(out / "free_ranking" / "seed1"), "--num-workers", "2",
+                         "--llm-url", "http://gpu:8000/v1"]
+    assert set(json.load(open(out / "wall_times.json"))) == {"free_none/seed2", "free_ranking/seed1",
+                                                              "free_ranking/seed2"}
+    assert os.path.exists(out / "free_ranking" / "seed1" / "console.log")
+    assert sorted(os.listdir(out / "free_ranking" / "seed1")) == ["console.log", "episodes.jsonl.old"]  # set aside
+
+    # --steps overrides every config (2e9 parses); the summary's 500,123 steps are no longer complete
+    calls.clear()
+    assert lc.main(["--configs", "score_extrinsic", "free_none", "--seeds", "1", "--out", str(out),
+                    "--steps", "2e9"]) == 0
+    assert calls[0][1:] == ["oni_appo.py", "--task", "NetHackScoreExtendedActions-v1", "--reward-type", "none",
+                            "--seed", "1", "--total-env-steps", "2000000000",
+                            "--run-dir", str(out / "score_extrinsic" / "seed1")]  # default extrinsic coef
+    assert "--run-dir" in calls[1] and "2000000000" in calls[1]  # summary but no checkpoint: a fresh start

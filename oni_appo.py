@@ -103,6 +103,8 @@ class Args:
     """evaluate this checkpoint (file or run dir) instead of training, then exit"""
     eval_episodes: int = 10
     """episodes for --eval"""
+    eval_random: bool = False
+    """with --eval: play the same episodes with uniformly random actions instead (a baseline)"""
 
 
 # Flags that a resumed run takes from its command line; all others come from the checkpoint.
@@ -311,7 +313,7 @@ def env_worker(index, task, seed, num_envs, buffers, conn, max_episode_steps=env
                     end = ENDS["terminated"] if terminated else ENDS["truncated"] if truncated else 0
                     message, count, stepped = obs["message"].copy(), info["message_count"], True  # reset refills obs
                     if terminated or truncated:
-                        episodes.append(info["episode"])
+                        episodes.append((i, info["episode"]))
                     if terminated:
                         obs, _ = pool[i].reset()
                     needs_reset[i] = truncated
@@ -337,6 +339,31 @@ def env_worker(index, task, seed, num_envs, buffers, conn, max_episode_steps=env
         conn.send((half, episodes))
     for env in pool:
         env.close()
+
+
+def add_intrinsic_episodes(totals, finished, paid, end, env_ids, n):
+    """paid (R / N^beta), end: [T, B], rollouts of n envs side by side in the order they were collected
+    (one env may have two in a batch); env_ids: [B]. Adds up each env's episode in totals [envs, 3]
+    and, at its end, appends its intrinsic return and share of rewarded steps to finished[env]."""
+    paid, end = paid.cpu().numpy(), end.cpu().numpy()
+    for first in range(0, paid.shape[1], n):
+        ids = env_ids[first:first + n]
+        for p, e in zip(paid[:, first:first + n], end[:, first:first + n]):
+            totals[ids] = np.where((e == ENDS["reset"])[:, None], 0.0, totals[ids] + np.stack([p, p != 0, np.ones_like(p)], 1))
+            for j in np.flatnonzero((e == ENDS["terminated"]) | (e == ENDS["truncated"])):
+                total, rewarded, steps = totals[ids[j]]
+                finished[ids[j]].append({"intrinsic_return": total, "intrinsic_rewarded_fraction": rewarded / steps})
+                totals[ids[j]] = 0.0
+
+
+def join_episodes(pending, finished, final=False):
+    """The workers' episode statistics joined with the learner's intrinsic totals of the same episodes
+    (per env, both come in order); final: also those the learner never got to."""
+    out = []
+    for worker_episodes, learner_episodes in zip(pending, finished):
+        while worker_episodes and (learner_episodes or final):
+            out.append({**worker_episodes.popleft(), **(learner_episodes.popleft() if learner_episodes else {})})
+    return sorted(out, key=lambda e: e["env_steps"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -454,6 +481,8 @@ def evaluate(args):
             batch = {k: torch.from_numpy(np.stack([obs[i][k] for i in active])) for k in OBS_FIELDS}
             logits, _, h_new = agent.step(to_device(batch, device), h[active])
             h[active] = h_new
+            if args.eval_random:
+                logits = torch.zeros_like(logits)
             actions = torch.distributions.Categorical(logits=logits).sample().tolist()
             for i, action in zip(list(active), actions):
                 obs[i], _, terminated, truncated, info = pool[i].step(action)
@@ -465,11 +494,11 @@ def evaluate(args):
                     else:
                         active.remove(i)
     summary = {k: float(np.mean([r[k] for r in results])) for k in results[0]}
-    print(f"{len(results)} episodes of {saved.task} with {path}:")
+    print(f"{len(results)} episodes of {saved.task} with {'random actions' if args.eval_random else path}:")
     for k, v in summary.items():
         print(f"  {k:10s} {v:12.2f} +- {np.std([r[k] for r in results]):.2f}")
-    with open(os.path.join(os.path.dirname(path), "eval.json"), "w") as f:
-        json.dump({"checkpoint": path, "episodes": results, "mean": summary}, f, indent=1)
+    with open(os.path.join(os.path.dirname(path), "eval_random.json" if args.eval_random else "eval.json"), "w") as f:
+        json.dump({"checkpoint": path, "random_actions": args.eval_random, "episodes": results, "mean": summary}, f, indent=1)
     return summary
 
 
@@ -536,6 +565,12 @@ def train(args):
         workers.append(proc)
 
     free, full = queue.Queue(), queue.Queue()
+    buffer_slot = [0] * num_buffers  # which slot (half of a worker's envs) filled each buffer
+    # per env: the workers' statistics of finished episodes and the learner's intrinsic totals of
+    # them, joined in the progress log; the learner's running totals of the episodes in progress
+    pending = [collections.deque() for _ in range(num_slots * n)]
+    finished = [collections.deque() for _ in range(num_slots * n)]
+    intrinsic_totals = np.zeros((num_slots * n, 3))
     for b in range(num_buffers):
         free.put(b)
     version = [counters["updates"]]  # the actor's policy version; one learner update = +1
@@ -573,13 +608,16 @@ def train(args):
                 batch = {"obs": {k: gather(k) for k in OBS_FIELDS},
                          "action": gather("action"), "logprob": gather("logprob"), "end": gather("end"),
                          "h0": buffers["h0"][index].flatten(0, 1).to(device)}
-                env_reward, step_message, step_count = gather("reward"), gather("step_message"), gather("step_count")
+                env_reward, step_count = gather("reward"), gather("step_count")
+                step_message = buffers["step_message"][index].transpose(0, 1).flatten(1, 2)  # stays on the CPU
+                env_ids = np.concatenate([buffer_slot[b] * n + np.arange(n) for b in ids])
                 lag = version[0] - buffers["version"][index].float()
                 for b in ids:
                     free.put(b)
                 started = time.perf_counter()
-                rewards, reward_stats = intrinsic.rewards(env_reward, step_message, step_count,
-                                                          batch["end"] == ENDS["terminated"])
+                rewards, paid, reward_stats = intrinsic.rewards(env_reward, step_message, step_count,
+                                                                batch["end"] == ENDS["terminated"])
+                add_intrinsic_episodes(intrinsic_totals, finished, paid, batch["end"], env_ids, n)
                 intrinsic_done = time.perf_counter()
                 loss, losses = appo_loss(agent, batch, rewards, args)
                 optimizer.zero_grad(set_to_none=True)
@@ -620,9 +658,10 @@ def train(args):
     samplers = [torch.Generator().manual_seed(args.seed * 1_000_003 + 7919 * s + counters["updates"])
                 for s in range(num_slots)]
     for s in range(num_slots):
+        buffer_slot[slot_buffer[s]] = s
         buffers["h0"][slot_buffer[s]] = 0.0
         conns[s // 2].send((s % 2, slot_buffer[s], -1))
-    waiting, episode_stats, worker_failure = [], [], None
+    waiting, worker_failure = [], None
     start_steps, start_time, last_log, last_checkpoint = counters["env_steps"], time.time(), time.time(), time.time()
     print(f"training {args.task} with reward {args.reward_type}: {args.num_workers} workers x "
           f"{args.num_envs_per_worker} envs on {device}; run dir {args.run_dir}", flush=True)
@@ -638,8 +677,10 @@ def train(args):
                         worker_failure = f"env worker {w} died (exit code {workers[w].exitcode})"
                         stop.set()
                         break
-                    ready.append(conns.index(conn) * 2 + half)
-                    episode_stats.extend(episodes)
+                    w = conns.index(conn)
+                    ready.append(w * 2 + half)
+                    for i, episode in episodes:
+                        pending[w * args.num_envs_per_worker + i].append(dict(episode, env_steps=counters["env_steps"]))
                     counters["episodes"] += len(episodes)
             if worker_failure:
                 break
@@ -659,7 +700,7 @@ def train(args):
                         buffers[k][new, 0] = buffers[k][old, T]
                     buffers["h0"][new] = hidden[s].cpu()
                     full.put(old)
-                    slot_buffer[s], slot_t[s] = new, 0
+                    slot_buffer[s], slot_t[s], buffer_slot[new] = new, 0, s
                 ready_now.append(s)
             if not ready_now:
                 continue
@@ -690,8 +731,9 @@ def train(args):
 
             now = time.time()
             if now - last_log > 5 and counters["updates"] > 0:
-                log_progress(logger, counters, stats, episode_stats, start_steps, start_time, now, intrinsic)
-                episode_stats, last_log = [], now
+                log_progress(logger, counters, stats, join_episodes(pending, finished), start_steps, start_time,
+                             now, intrinsic)
+                last_log = now
             if now - last_checkpoint > args.checkpoint_every_s:
                 checkpoint_due.set()  # the learner saves between two updates
                 last_checkpoint = now
@@ -710,8 +752,10 @@ def train(args):
         intrinsic.close()
     if stats["error"] is not None and not isinstance(stats["error"], SystemExit):
         raise stats["error"]
-    log_progress(logger, counters, stats, episode_stats, start_steps, start_time, time.time(), intrinsic)
+    log_progress(logger, counters, stats, join_episodes(pending, finished, final=True), start_steps, start_time,
+                 time.time(), intrinsic)
     checkpoint()
+    intrinsic.write_messages(os.path.join(args.run_dir, "messages.tsv"))
     elapsed = time.time() - start_time
     summary = {"env_steps": counters["env_steps"], "updates": counters["updates"],
                "episodes": counters["episodes"], "sps": (counters["env_steps"] - start_steps) / elapsed,
@@ -752,7 +796,7 @@ def log_progress(logger, counters, stats, episode_stats, start_steps, start_time
     for e in episode_stats:
         logger.writer.add_scalar("charts/episodic_return", e["return"], steps)
         logger.writer.add_scalar("charts/episodic_length", e["steps"], steps)
-        logger.scalars("episode", e, steps)
+        logger.scalars("episode", {k: v for k, v in e.items() if k != "env_steps"}, steps)
     if episode_stats:
         with open(os.path.join(logger.writer.log_dir, "episodes.jsonl"), "a") as f:
             f.writelines(json.dumps(e) + "\n" for e in episode_stats)
@@ -768,8 +812,9 @@ def summary_stats(run_dir, counters):
     episodes = [json.loads(line) for line in open(path)] if os.path.exists(path) else []
     if not episodes:
         return {"mean_episode_return": None}
+    keys = {k for e in episodes for k in e} - {"return", "env_steps"}
     out = {"mean_episode_return": float(np.mean([e["return"] for e in episodes]))}
-    out.update({f"mean_{k}": float(np.mean([e[k] for e in episodes])) for k in episodes[0] if k != "return"})
+    out.update({f"mean_{k}": float(np.mean([e[k] for e in episodes if k in e])) for k in sorted(keys)})
     return out
 
 

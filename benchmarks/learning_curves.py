@@ -109,7 +109,7 @@ def load_episodes(path):
     for e, steps in zip(episodes, cumulative):
         e.setdefault("env_steps", int(steps))
         e.setdefault("intrinsic_return", 0.0)
-    return episodes
+    return sorted(episodes, key=lambda e: e["env_steps"])  # written as the learner's totals come, nearly in order
 
 
 def load_runs(dirs):

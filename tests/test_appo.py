@@ -1,4 +1,5 @@
 """The learner: V-trace against the paper's formula, GRU resets, learning, and whole runs on NLE."""
+import collections
 import json
 import os
 import signal
@@ -166,10 +167,40 @@ def test_end_to_end_on_nle_then_resume(tmp_path):
     assert resumed["env_steps"] >= 14000 and resumed["updates"] > summary["updates"]
     assert torch.load(os.path.join(run_dir, "checkpoint.pt"), weights_only=False)["args"]["seed"] == 3
 
+    episodes = [json.loads(line) for line in open(os.path.join(run_dir, "episodes.jsonl"))]
+    assert len(episodes) == resumed["episodes"]
+    assert all(e["intrinsic_return"] == 0.0 for e in episodes if "intrinsic_return" in e)  # reward type none
+    assert sum("intrinsic_return" in e for e in episodes) >= len(episodes) - 16  # all but those the learner missed
+    assert all(0 < e["env_steps"] <= resumed["env_steps"] for e in episodes)
+    lines = open(os.path.join(run_dir, "messages.tsv")).read().splitlines()
+    assert lines[0] == "message\tsteps\tlabel\treward_now\tpaid" and len(lines) > 2
+
     evaluation = run(["--eval", run_dir, "--eval-episodes", "2"])
     assert evaluation.returncode == 0, evaluation.stderr[-2000:]
     assert "2 episodes of NetHackScoreExtendedActions-v1" in evaluation.stdout
     assert len(json.load(open(os.path.join(run_dir, "eval.json")))["episodes"]) == 2
+    baseline = run(["--eval", run_dir, "--eval-episodes", "2", "--eval-random"])
+    assert baseline.returncode == 0 and "with random actions" in baseline.stdout, baseline.stderr[-2000:]
+    assert json.load(open(os.path.join(run_dir, "eval_random.json")))["random_actions"] is True
+
+
+def test_episode_intrinsic_returns_follow_each_env_across_rollouts_and_resets():
+    # two rollouts of the same two envs in one batch (columns 0-1, then 2-3), T = 3 each
+    R, T, TR, RS = ENDS["running"], ENDS["terminated"], ENDS["truncated"], ENDS["reset"]
+    end = torch.tensor([[R, R, T, RS], [T, TR, R, R], [R, RS, R, T]], dtype=torch.int8)
+    paid = torch.tensor([[1.0, 0.5, 2.0, 0.0], [0.25, 0.0, 0.0, 3.0], [4.0, 0.0, 0.0, 1.0]])
+    totals, finished = np.zeros((2, 3)), [collections.deque() for _ in range(2)]
+    oni_appo.add_intrinsic_episodes(totals, finished, paid, end, np.array([0, 1, 0, 1]), 2)
+    # env 0: 1 + 0.25 (ends), then 4 + 2 (ends at the second rollout's t=0), then 0 (in progress)
+    assert [e["intrinsic_return"] for e in finished[0]] == [1.25, 6.0]
+    assert [e["intrinsic_rewarded_fraction"] for e in finished[0]] == [1.0, 1.0]
+    # env 1: 0.5 + 0 truncated (2 steps, 1 rewarded); the reset step belongs to no episode; 3 + 1 ends
+    assert [(e["intrinsic_return"], e["intrinsic_rewarded_fraction"]) for e in finished[1]] == [(0.5, 0.5), (4.0, 1.0)]
+    assert totals.tolist() == [[0.0, 0.0, 2.0], [0.0, 0.0, 0.0]]  # env 0: two steps in progress, unrewarded
+    pending = [collections.deque([{"score": s, "env_steps": s} for s in scores]) for scores in ([5, 9, 12], [7, 8])]
+    joined = oni_appo.join_episodes(pending, finished)
+    assert [(e["score"], e["intrinsic_return"]) for e in joined] == [(5, 1.25), (7, 0.5), (8, 4.0), (9, 6.0)]
+    assert oni_appo.join_episodes(pending, finished, final=True) == [{"score": 12, "env_steps": 12}]
 
 
 def test_sigterm_saves_a_checkpoint_and_stops_the_workers(tmp_path):
@@ -341,7 +372,7 @@ def test_a_step_that_ends_an_episode_is_scored_with_its_own_last_message():
         args = oni_appo.Args(reward_type="retrieval", extrinsic_coef=0.0, intrinsic_coef=1.0)
         intrinsic = reward_models.IntrinsicReward(args, "cpu")
         intrinsic.client, intrinsic.labels = None, labels
-        rewards, stats = intrinsic.rewards(torch.zeros(t + 1, 1), buffers["step_message"][0, :t + 1],
+        rewards, _, stats = intrinsic.rewards(torch.zeros(t + 1, 1), buffers["step_message"][0, :t + 1],
                                            buffers["step_count"][0, :t + 1], buffers["end"][0, :t + 1] == ENDS["terminated"])
         return rewards[:, 0], stats
 

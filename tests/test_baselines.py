@@ -56,7 +56,7 @@ def test_ellm_reward_in_the_learner_is_zero_for_the_empty_message(embedder):
     messages = reward_models.to_rows(texts).view(2, 2, -1)  # [T, B, 256]
     env_reward, counts = torch.zeros(2, 2), torch.ones(2, 2, dtype=torch.int64)
     terminal = torch.zeros(2, 2, dtype=torch.bool)
-    reward, _ = model.rewards(env_reward, messages, counts, terminal)
+    reward, _, _ = model.rewards(env_reward, messages, counts, terminal)
     reward = reward.flatten()
     assert embedder([""]).abs().item() > 0.05  # the model alone would pay the empty message ...
     assert reward[0] == 0 and reward[3] == 0  # ... the learner's reward does not

@@ -32,7 +32,8 @@ def test_count_normalization_and_mix():
     counts = torch.tensor([1, 2, 3, 2])
     torch.testing.assert_close(rm.count_normalized(values, counts, 3.0), torch.tensor([1.0, 1 / 8, 1 / 27, 0.5 / 8]))
     args = make_args()
-    total = rm.mix(torch.tensor([500.0, 20.0]), torch.tensor([1.0, 0.0]), torch.tensor([2, 1]), args)
+    paid = rm.count_normalized(torch.tensor([1.0, 0.0]), torch.tensor([2, 1]), args.count_beta)
+    total = rm.mix(torch.tensor([500.0, 20.0]), paid, args)
     # 0.1 * clip(500 * 0.1, -10, 10) + 0.4 * 1 / 2^3 ; 0.1 * 2
     torch.testing.assert_close(total, torch.tensor([1.0 + 0.05, 0.2]))
 
@@ -129,7 +130,7 @@ def test_empty_message_gets_no_intrinsic_reward():
     model.labels = {"": 1.0, "You kill the newt!": 1.0}
     model.client = None  # no server: the labels are given
     messages = rm.to_rows(["", "You kill the newt!", "It's a wall."]).view(3, 1, 256)
-    rewards, _ = model.rewards(torch.zeros(3, 1), messages, torch.ones(3, 1, dtype=torch.int32),
+    rewards, _, _ = model.rewards(torch.zeros(3, 1), messages, torch.ones(3, 1, dtype=torch.int32),
                                torch.zeros(3, 1, dtype=torch.bool))
     assert rewards[:, 0].tolist() == [0.0, 1.0, 0.0]
 
@@ -183,7 +184,7 @@ def test_real_nle_messages_are_labelled_by_the_embedded_server_and_reach_the_lea
             model.train_step()  # the learner's incremental read of new labels
         assert set(model.labels) == set(messages)
         assert model.labels["You kill the newt!"] == 1.0
-        rewards, _ = model.rewards(torch.zeros(len(messages), 1), rows, counts, ended)
+        rewards, _, _ = model.rewards(torch.zeros(len(messages), 1), rows, counts, ended)
         assert rewards[:, 0].tolist() == [model.labels[m] for m in messages]
     finally:
         model.close()
@@ -233,7 +234,7 @@ def test_motif_trains_offline_from_pairs_then_stays_frozen(tmp_path):
     # normalized: statistics taken once over the dataset's messages, not moved by what the agent sees
     model = rm.IntrinsicReward(make_args(reward_type="motif", labels_from=str(path)), "cpu")
     frozen = dict(vars(model.norm))
-    rewards, _ = model.rewards(*steps_of([(good, 3), (bad, 300), ("You hear a door open.", 100)]))
+    rewards, _, _ = model.rewards(*steps_of([(good, 3), (bad, 300), ("You hear a door open.", 100)]))
     assert vars(model.norm) == frozen
     assert model.score(rm.to_rows([good, bad]), [good, bad]).tolist() == [pytest.approx(1.0, abs=1e-3), 0.0]
     with pytest.raises(SystemExit, match="motif needs --labels-from"):

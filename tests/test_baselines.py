@@ -35,7 +35,8 @@ def assert_trained(result, run_dir, steps=3000):
 
 @pytest.fixture(scope="module")
 def embedder():
-    return reward_models.SentenceEmbedder("cpu")
+    ellm = reward_models.Ellm(oni_appo.Args(reward_type="ellm"), "cpu")
+    return lambda texts: ellm.score(None, texts)
 
 
 def test_ellm_embedder_ranks_messages_by_the_goal(embedder):
@@ -93,7 +94,7 @@ def test_motif_trains_end_to_end_from_a_labels_file(tmp_path):
     assert checkpoint["args"]["reward_type"] == "motif"
     assert not os.path.exists(os.path.join(run_dir, "llm_server.log"))  # Motif asks no LLM
     # the reward model it trained on the file's pairs, as saved: it prefers what the labels preferred
-    model = reward_models.RankingModel()
+    model = reward_models.IntrinsicReward(oni_appo.Args(reward_type="ranking"), "cpu").piece.model
     model.load_state_dict(checkpoint["intrinsic"]["model"])
     with torch.no_grad():
         scores = model.eval()(reward_models.to_rows(HELPFUL + UNHELPFUL))

@@ -1,7 +1,9 @@
 """Reward models: the count normalization, the classifier, Bradley-Terry, ranking normalization,
-resuming labels, and labels of real NLE messages through the real embedded LLM server."""
+resuming labels, the trainer thread, and labels of real NLE messages through the real embedded LLM server."""
+import copy
 import json
 import random
+import threading
 import time
 from types import SimpleNamespace
 
@@ -53,21 +55,20 @@ def test_classifier_fits_its_labels_and_generalizes_to_new_monsters():
     rng = np.random.default_rng(0)
     train_monsters, held_out = MONSTERS[:12], MONSTERS[12:]
     model = rm.IntrinsicReward(make_args(reward_type="classification"), "cpu")
-    assert model.score(rm.to_rows(["You kill the newt!"]), ["You kill the newt!"]).item() == 0.0  # untrained
+    assert model.piece.score(rm.to_rows(["You kill the newt!"]), ["You kill the newt!"]).item() == 0.0  # untrained
     # a skewed label set (few positives) checks the class balancing
     data = dict(good_or_bad(rng, train_monsters) for _ in range(400))
     positives = [t for t, v in data.items() if v == 1][:15]
     data = {t: v for t, v in data.items() if v == 0 or t in positives}
-    model.labels = {t: float(v) for t, v in data.items()}
-    for _ in range(250):
-        model.fit_batch(64)
+    model.add_labels([{"caption": t, "label": v} for t, v in data.items()])
+    model.piece.train_now(250, batch_size=64)
     texts = list(data)
-    train_pred = model.score(rm.to_rows(texts), texts)
+    train_pred = model.piece.score(rm.to_rows(texts), texts)
     train_acc = (train_pred == torch.tensor([float(data[t]) for t in texts])).float().mean().item()
     assert train_acc > 0.95
     test = dict(good_or_bad(rng, held_out) for _ in range(100))
     test_texts = list(test)
-    test_pred = model.score(rm.to_rows(test_texts), test_texts)
+    test_pred = model.piece.score(rm.to_rows(test_texts), test_texts)
     assert (test_pred == torch.tensor([float(test[t]) for t in test_texts])).float().mean().item() > 0.85
 
 
@@ -77,6 +78,7 @@ def test_bradley_terry_recovers_a_known_order_from_noisy_pairs():
     messages = ["You die...", "The jackal bites!", "It's a wall.", "You find a hidden door.",
                 "You see here 9 gold pieces.", "You kill the newt!", "Welcome to experience level 2."]
     model = rm.IntrinsicReward(make_args(reward_type="ranking"), "cpu")
+    records = []
     for _ in range(3000):  # true order = list order; 15% of answers flipped, some ties
         i, j = random.sample(range(len(messages)), 2)
         answer = 1 if i > j else 2
@@ -84,11 +86,11 @@ def test_bradley_terry_recovers_a_known_order_from_noisy_pairs():
             answer = 3 - answer
         if random.random() < 0.05:
             answer = None
-        model.pairs.append((messages[i], messages[j], annotator.preference_probability(answer)))
-    for _ in range(300):
-        model.fit_batch(128)
+        records.append({"pair": [messages[i], messages[j]], "preference": answer})
+    model.add_labels(records)
+    model.piece.train_now(300, batch_size=128)
     with torch.no_grad():
-        scores = model.model(rm.to_rows(messages)).tolist()
+        scores = model.piece.model(rm.to_rows(messages)).tolist()
     assert scores == sorted(scores), scores
 
 
@@ -111,43 +113,68 @@ def test_ranking_reward_is_a_step_weighted_z_score_zeroed_at_or_below_the_median
     assert norm(torch.tensor([1.0])).item() == rm.RANKING_CLIP
     torch.manual_seed(0)
     model = rm.IntrinsicReward(make_args(reward_type="ranking"), "cpu")
-    model.pairs = [("a", "b", 1.0)]
-    assert model.score(rm.to_rows(["a"]), ["a"]).item() == 0.0  # untrained: no reward
-    model.fit_batch(8)
-    assert model.score(rm.to_rows(["a"]), ["a"]).item() == 0.0  # trained, no statistics yet: no reward
+    model.add_labels([{"pair": ["a", "b"], "preference": 1}])
+    assert model.piece.score(rm.to_rows(["a"]), ["a"]).item() == 0.0  # untrained: no reward
+    model.piece.train_now(1, batch_size=8)
+    assert model.piece.score(rm.to_rows(["a"]), ["a"]).item() == 0.0  # trained, no statistics yet: no reward
     texts = [f"message {i}" for i in range(64)]
     rows = rm.to_rows(texts)
     raw_model = rm.IntrinsicReward(make_args(reward_type="ranking", raw_ranking=True), "cpu")
-    raw_model.model.load_state_dict(model.model.state_dict())
-    raw_model.pairs, raw_model.model_steps = model.pairs, model.model_steps
-    raw = raw_model.score(rows, texts)
+    raw_model.load_state_dict(model.state_dict())
+    raw = raw_model.piece.score(rows, texts)
     with torch.no_grad():
-        torch.testing.assert_close(raw, model.model(rows))  # the reference's raw output
+        torch.testing.assert_close(raw, model.piece.model(rows))  # the reference's raw output
 
 
 def test_empty_message_gets_no_intrinsic_reward():
     model = rm.IntrinsicReward(make_args(reward_type="retrieval", intrinsic_coef=1.0, extrinsic_coef=0.0), "cpu")
-    model.labels = {"": 1.0, "You kill the newt!": 1.0}
-    model.client = None  # no server: the labels are given
+    model.add_labels([{"caption": "", "label": 1}, {"caption": "You kill the newt!", "label": 1}])
     messages = rm.to_rows(["", "You kill the newt!", "It's a wall."]).view(3, 1, 256)
     rewards, _, _ = model.rewards(torch.zeros(3, 1), messages, torch.ones(3, 1, dtype=torch.int32),
                                torch.zeros(3, 1, dtype=torch.bool))
     assert rewards[:, 0].tolist() == [0.0, 1.0, 0.0]
 
 
-def test_resume_reloads_labels_without_asking_again(tmp_path):
+def test_messages_tsv_counts_steps_and_what_each_message_paid(tmp_path):
+    model = rm.IntrinsicReward(make_args(reward_type="retrieval", intrinsic_coef=1.0, extrinsic_coef=0.0), "cpu")
+    model.add_labels([{"caption": "You kill the newt!", "label": 1}, {"caption": "It's a wall.", "label": 0}])
+    texts = ["You kill the newt!", "It's a wall.", "", "You kill the newt!", "You kill the newt!"]
+    counts = torch.tensor([[1], [1], [1], [2], [1]], dtype=torch.int32)  # the second kill: seen twice this episode
+    for _ in range(2):
+        model.rewards(torch.zeros(5, 1), rm.to_rows(texts).view(5, 1, 256), counts, torch.zeros(5, 1, dtype=torch.bool))
+    model.write_messages(tmp_path / "messages.tsv")
+    rows = [line.split("\t") for line in open(tmp_path / "messages.tsv").read().splitlines()]
+    assert rows[0] == ["message", "steps", "label", "reward_now", "paid"]
+    # per batch the kills paid 1 + 1/8 + 1: R / N^3 summed over steps, not over distinct messages
+    assert rows[1:] == [["You kill the newt!", "6", "1", "1.0000", "4.2500"], ["(none)", "2", "", "0.0000", "0.0000"],
+                        ["It's a wall.", "2", "0", "0.0000", "0.0000"]]
+
+
+def test_resume_reloads_labels_without_asking_again(tmp_path, monkeypatch):
     with open(tmp_path / annotator.LABELS_FILE, "w") as f:
         f.write(json.dumps({"caption": "You kill the newt!", "label": 1}) + "\n")
         f.write(json.dumps({"pair": ["It's a wall.", "You kill the newt!"], "preference": 2}) + "\n")
-    model = rm.IntrinsicReward(make_args(reward_type="retrieval", resume=str(tmp_path / "checkpoint.pt")), "cpu")
+    model = rm.IntrinsicReward(make_args(reward_type="retrieval"), "cpu")
+    model.add_labels(annotator.read_labels(tmp_path / annotator.LABELS_FILE))  # as the learner does on resume
     model.load_state_dict(model.state_dict())
-    assert model.labels == {"You kill the newt!": 1.0}
-    assert model.pairs == [("It's a wall.", "You kill the newt!", 0.0)]
-    sent = []
-    model.client.request = lambda captions, pairs: sent.append(captions)
+    assert model.piece.labels == {"You kill the newt!": 1.0}
+    assert model.piece.pairs == [("It's a wall.", "You kill the newt!", 0.0)]
+    assert model.known_keys() == {"You kill the newt!", annotator.pair_key("It's a wall.", "You kill the newt!")}
     model.rewards(torch.zeros(2, 1), rm.to_rows(["You kill the newt!", "It's a wall."]).view(2, 1, 256),
                   torch.ones(2, 1, dtype=torch.int32), torch.zeros(2, 1, dtype=torch.bool))
-    assert sent == [["It's a wall."]]  # the labelled caption is not asked again
+    assert model.label_requests() == (["It's a wall."], [])  # the labelled caption is not asked again
+    # a trained model: the labels given back before its checkpoint are not new, and owe no training
+    monkeypatch.setattr(rm, "BURST", 2)
+    pairs = [{"pair": [f"The {m} bites!", f"You kill the {m}!"], "preference": 2} for m in MONSTERS]
+    trained = rm.IntrinsicReward(make_args(reward_type="ranking"), "cpu")
+    trained.add_labels(pairs)
+    assert trained.piece.train_now(batch_size=8) == 2  # the first fit
+    resumed = rm.IntrinsicReward(make_args(reward_type="ranking"), "cpu")
+    resumed.add_labels(pairs)
+    resumed.load_state_dict(trained.state_dict())
+    assert resumed.piece.train_now(batch_size=8) == 0 and resumed.train_stats()["reward_model_steps"] == 2
+    resumed.add_labels(pairs[:8])
+    assert resumed.piece.train_now(batch_size=8) == 2  # 0.32 steps per new label, at most BURST
 
 
 def real_nle_messages(n=6):
@@ -172,23 +199,25 @@ def real_nle_messages(n=6):
 def test_real_nle_messages_are_labelled_by_the_embedded_server_and_reach_the_learner(tmp_path):
     messages = real_nle_messages() + ["You kill the newt!"]
     model = rm.IntrinsicReward(make_args(reward_type="retrieval", intrinsic_coef=1.0, extrinsic_coef=0.0), "cpu")
-    model.start(str(tmp_path))  # no --llm-url: starts the embedded llama.cpp server
+    client = annotator.LabelClient(model.args)
+    client.start(str(tmp_path), known=model.known_keys())  # no --llm-url: starts the embedded llama.cpp server
     try:
         rows = rm.to_rows(messages).view(len(messages), 1, 256)
         counts = torch.ones(len(messages), 1, dtype=torch.int32)
         ended = torch.zeros(len(messages), 1, dtype=torch.bool)
-        model.rewards(torch.zeros(len(messages), 1), rows, counts, ended)  # asks the LLM
+        model.rewards(torch.zeros(len(messages), 1), rows, counts, ended)
+        client.request(*model.label_requests())  # asks the LLM
         deadline = time.time() + 180
-        while len(model.labels) < len(messages) and time.time() < deadline:
+        while len(model.piece.labels) < len(messages) and time.time() < deadline:
             time.sleep(0.5)
-            model.train_step()  # the learner's incremental read of new labels
-        assert set(model.labels) == set(messages)
-        assert model.labels["You kill the newt!"] == 1.0
+            model.add_labels(client.new_records())  # the learner's incremental read of new labels
+        assert set(model.piece.labels) == set(messages)
+        assert model.piece.labels["You kill the newt!"] == 1.0
         rewards, _, _ = model.rewards(torch.zeros(len(messages), 1), rows, counts, ended)
-        assert rewards[:, 0].tolist() == [model.labels[m] for m in messages]
+        assert rewards[:, 0].tolist() == [model.piece.labels[m] for m in messages]
     finally:
-        model.close()
-    assert model.summary()["llm_labels"] == len(messages)
+        client.close()
+    assert client.stats()["labels"] == len(messages)
     assert len(open(tmp_path / annotator.LABELS_FILE).readlines()) == len(messages)
 
 
@@ -225,18 +254,20 @@ def test_motif_trains_offline_from_pairs_then_stays_frozen(tmp_path):
             f.write(json.dumps({"pair": [good, bad], "preference": 1}) + "\n")
             f.write(json.dumps({"pair": [bad, good], "preference": 2}) + "\n")
     model = rm.IntrinsicReward(make_args(reward_type="motif", labels_from=str(path), raw_ranking=True), "cpu")
-    assert model.client is None  # no LLM at training time
-    frozen = {k: v.clone() for k, v in model.model.state_dict().items()}
-    assert model.train_step() == {}
-    assert all(torch.equal(v, model.model.state_dict()[k]) for k, v in frozen.items())
-    scores = model.score(rm.to_rows([good, bad]), [good, bad])
+    assert model.label_requests() == ([], [])  # no LLM at training time
+    frozen = {k: v.clone() for k, v in model.piece.model.state_dict().items()}
+    model.add_labels([{"pair": [bad, good], "preference": 1}])
+    assert model.piece.train_now() == 0
+    assert all(torch.equal(v, model.piece.model.state_dict()[k]) for k, v in frozen.items())
+    scores = model.piece.score(rm.to_rows([good, bad]), [good, bad])
     assert scores[0] > scores[1]
     # normalized: statistics taken once over the dataset's messages, not moved by what the agent sees
     model = rm.IntrinsicReward(make_args(reward_type="motif", labels_from=str(path)), "cpu")
-    frozen = dict(vars(model.norm))
+    frozen = dict(model.piece.published["norm"])
     rewards, _, _ = model.rewards(*steps_of([(good, 3), (bad, 300), ("You hear a door open.", 100)]))
-    assert vars(model.norm) == frozen
-    assert model.score(rm.to_rows([good, bad]), [good, bad]).tolist() == [pytest.approx(1.0, abs=1e-3), 0.0]
+    model.piece.train_now()
+    assert model.piece.published["norm"] == frozen
+    assert model.piece.score(rm.to_rows([good, bad]), [good, bad]).tolist() == [pytest.approx(1.0, abs=1e-3), 0.0]
     with pytest.raises(SystemExit, match="motif needs --labels-from"):
         rm.IntrinsicReward(make_args(reward_type="motif"), "cpu")
 
@@ -268,12 +299,6 @@ class InThreadClient:
         self.read += len(records)
         return records
 
-    def check(self):
-        pass
-
-    def stats(self):
-        return dict(self.annotator.stats)
-
 
 def steps_of(messages):
     """[(text, steps)] -> the [T, 1, ...] tensors of a learner batch, shuffled."""
@@ -301,16 +326,18 @@ def test_ranking_rewards_are_bounded_z_scores_from_the_first_rewarded_update(tmp
     server = FakeOpenAI().start()
     thread = Annotator(server.url, tmp_path)
     model = rm.IntrinsicReward(make_args(reward_type="ranking"), "cpu")
-    model.client = InThreadClient(thread)
+    client = InThreadClient(thread)
     batch = steps_of(STEPS)
     texts = [t for t, _ in STEPS]
     rewarded_updates = 0
     try:
-        for update in range(60):
+        for update in range(60):  # the learner's loop, with the reward model trained inline
             model.rewards(*batch)
+            client.request(*model.label_requests())
             thread.wait_for(lambda: thread.stats.get("backlog", 1) == 0 and thread.stats.get("in_flight", 1) == 0, 5)
-            model.train_step()
-            R = model.score(rm.to_rows(texts), texts)
+            model.add_labels(client.new_records())
+            model.piece.train_now()
+            R = model.piece.score(rm.to_rows(texts), texts)
             if R.abs().sum() > 0:
                 rewarded_updates += 1
                 assert R.abs().max().item() <= rm.RANKING_CLIP  # was 20.7 at update 20 before the fix
@@ -334,27 +361,26 @@ def test_a_classifier_pays_only_once_it_tells_its_labels_apart(seed):
     on one class (or one barely trained fit) paid every message on these seeds."""
     torch.manual_seed(seed)
     model = rm.IntrinsicReward(make_args(reward_type="classification", seed=seed), "cpu")
-    model.client = None
     helpful = ["You kill the newt!", "You see here 5 gold pieces."]
     unhelpful = ["It's a wall.", "You die..."] + [f"The {m} bites!" for m in MONSTERS] + [f"You miss the {m}." for m in MONSTERS]
 
     def paid_sensibly(seen):
-        R = model.score(rm.to_rows(helpful + seen), helpful + seen)
+        R = model.piece.score(rm.to_rows(helpful + seen), helpful + seen)
         return not R.any() or (R[:2].sum() >= 1 and R[2:].mean() <= 0.1)
 
-    model.add_records([{"caption": c, "label": 1} for c in helpful])
-    assert model.train_step() == {} and model.model_steps == 0  # one class: nothing to learn a boundary from
+    model.add_labels([{"caption": c, "label": 1} for c in helpful])
+    assert model.piece.train_now() == 0 and model.piece.model_steps == 0  # one class: nothing to learn a boundary from
     for u, caption in enumerate(unhelpful):
-        model.add_records([{"caption": caption, "label": 0}])
-        model.train_step()
+        model.add_labels([{"caption": caption, "label": 0}])
+        model.piece.train_now()
         assert paid_sensibly(unhelpful[:u + 1]), u
-    assert model.model_steps == rm.BURST + int((len(unhelpful) - 1) * rm.STEPS_PER_LABEL)  # 32, then 0.32 a label
+    assert model.piece.model_steps == rm.BURST + int((len(unhelpful) - 1) * rm.STEPS_PER_LABEL)  # 32, then 0.32 a label
     for _ in range(300):
-        model.fit_batch()
-        if model.fitted:
+        model.piece.train_now(1)
+        if model.piece.published["fitted"]:
             break
-    assert model.fitted and paid_sensibly(unhelpful)
-    R = model.score(rm.to_rows(helpful + unhelpful), helpful + unhelpful)
+    assert model.piece.published["fitted"] and paid_sensibly(unhelpful)
+    R = model.piece.score(rm.to_rows(helpful + unhelpful), helpful + unhelpful)
     assert R.sum() >= 1  # and, fitted, it does pay
 
 
@@ -367,22 +393,138 @@ def test_every_caption_seen_is_labelled_after_the_backlog_overflowed(tmp_path, m
     server.delay = 1.5  # slow: captions pile up and most are dropped from the tiny backlog
     thread = Annotator(server.url, tmp_path)
     model = rm.IntrinsicReward(make_args(reward_type="retrieval"), "cpu")
-    model.client = InThreadClient(thread)
+    client = InThreadClient(thread)
     captions = [f"You kill the {m}!" for m in MONSTERS] + [f"The {m} bites!" for m in MONSTERS]
     try:
         for chunk in range(4):
             model.rewards(*steps_of([(c, 2) for c in captions[chunk * 8:(chunk + 1) * 8]]))
+            client.request(*model.label_requests())
             time.sleep(0.2)
         assert thread.wait_for(lambda: thread.stats.get("dropped", 0) > 10, 10)
         server.delay = 0.0  # the server speeds up; the learner keeps updating on empty messages
         deadline = time.time() + 30
-        while set(model.labels) != set(captions) and time.time() < deadline:
+        while set(model.piece.labels) != set(captions) and time.time() < deadline:
             model.rewards(*steps_of([("", 4)]))
-            model.train_step()
+            model.add_labels(client.new_records())
+            client.request(*model.label_requests())
             time.sleep(0.1)
     finally:
         thread.close()
         server.stop()
-    assert set(model.labels) == set(captions)
-    assert model.labels == {c: float("kill" in c) for c in captions}
+    assert set(model.piece.labels) == set(captions)
+    assert model.piece.labels == {c: float("kill" in c) for c in captions}
     assert not model.asked  # nothing left waiting
+
+
+def assert_same(a, b):
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for key in a:
+            assert_same(a[key], b[key])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_same(x, y)
+    else:
+        assert a == b, (a, b)
+
+
+@pytest.mark.parametrize("reward_type", ["classification", "ranking"])
+def test_scoring_changes_nothing(reward_type):
+    """score() is pure: the weights, statistics, counters, random streams and train modes stay as they were."""
+    torch.manual_seed(0)
+    model = rm.IntrinsicReward(make_args(reward_type=reward_type), "cpu")
+    model.add_labels([{"caption": f"You kill the {m}!", "label": 1} for m in MONSTERS]
+                     + [{"caption": f"The {m} bites!", "label": 0} for m in MONSTERS]
+                     + [{"pair": [f"You kill the {m}!", f"The {m} bites!"], "preference": 1} for m in MONSTERS])
+    model.piece.optimizer.param_groups[0]["lr"] = 1e-3  # fitted in a few steps
+    model.rewards(*steps_of(STEPS))
+    model.piece.train_now(30, batch_size=16)  # published, with statistics over the batch seen
+    piece, texts = model.piece, [t for t, _ in STEPS]
+    assert piece.published.get("fitted", True) and piece.published.get("norm", {"mean": 0})["mean"] is not None
+
+    def snapshot():
+        return copy.deepcopy((model.state_dict(), model.train_stats(), piece.rng.getstate(), torch.get_rng_state(),
+                              piece.new_labels, piece.batches, piece.owed_steps, list(piece.recent),
+                              piece.model.training, piece.published["model"].training))
+
+    before = snapshot()
+    first = piece.score(rm.to_rows(texts), texts)
+    assert torch.equal(first, piece.score(rm.to_rows(texts), texts))
+    assert_same(before, snapshot())
+
+
+def pairs_of_monsters():
+    return [{"pair": [f"You kill the {m}!", f"The {m} bites!"], "preference": 1} for m in MONSTERS]
+
+
+def test_the_learner_never_waits_for_the_trainer_thread_and_gets_its_weights(monkeypatch):
+    monkeypatch.setattr(rm, "BURST", 2)
+    torch.manual_seed(0)
+    model = rm.IntrinsicReward(make_args(reward_type="ranking", raw_ranking=True), "cpu")
+    model.add_labels(pairs_of_monsters())
+    in_burst, release = threading.Event(), threading.Event()
+    minibatch_loss = model.piece.minibatch_loss
+
+    def held_loss(batch_size):  # a training step that lasts until the test lets it go (30 s at most)
+        in_burst.set()
+        release.wait(30)
+        return minibatch_loss(16)
+
+    monkeypatch.setattr(model.piece, "minibatch_loss", held_loss)
+    texts = [t for t, _ in STEPS]
+    model.start(share=1.0)
+    try:
+        assert in_burst.wait(30)
+        started = time.perf_counter()
+        _, paid, _ = model.rewards(*steps_of(STEPS))  # a learner update in the middle of a burst
+        assert time.perf_counter() - started < 10  # it did not wait for the burst
+        assert not paid.any()  # nothing published yet: the untrained model pays nothing
+        release.set()
+        deadline = time.time() + 60
+        while model.piece.published is None and time.time() < deadline:
+            time.sleep(0.05)
+        scores = model.piece.score(rm.to_rows(texts), texts)  # the published weights, scoring
+        assert scores.abs().sum() > 0 and model.train_stats()["reward_model_steps"] == 2
+        with torch.no_grad():
+            torch.testing.assert_close(scores, model.piece.published["model"](rm.to_rows(texts)))
+    finally:
+        release.set()
+        model.close()
+
+
+def test_the_trainer_thread_keeps_to_its_share_of_wall_time(monkeypatch):
+    model = rm.IntrinsicReward(make_args(reward_type="ranking"), "cpu")
+    model.add_labels(pairs_of_monsters())
+    spent, minibatch_loss = [], model.piece.minibatch_loss
+
+    def slow_loss(batch_size):  # a slow step: 50 ms more
+        started = time.perf_counter()
+        time.sleep(0.05)
+        loss = minibatch_loss(8)
+        spent.append(time.perf_counter() - started)
+        return loss
+
+    monkeypatch.setattr(model.piece, "minibatch_loss", slow_loss)
+    started = time.perf_counter()
+    model.start(share=0.3)  # unbounded, the first fit's 32 steps would take all of the 4 s
+    time.sleep(4)
+    model.close()
+    share = sum(spent) / (time.perf_counter() - started)
+    assert len(spent) >= 2 and share <= 0.3 + 0.1, (len(spent), share)
+    assert model.train_stats()["reward_model_time_share"] <= 0.3 + 0.1
+
+
+def test_a_crash_of_the_trainer_thread_stops_the_learner(monkeypatch):
+    model = rm.IntrinsicReward(make_args(reward_type="ranking"), "cpu")
+    model.add_labels(pairs_of_monsters())
+    monkeypatch.setattr(model.piece, "minibatch_loss", lambda batch_size: 1 / 0)
+    model.start()
+    deadline = time.time() + 30
+    while model.piece.error is None and time.time() < deadline:  # the first fit is due at once
+        time.sleep(0.05)
+    model.close()
+    with pytest.raises(RuntimeError, match="trainer failed"):
+        model.rewards(*steps_of(STEPS))

@@ -9,6 +9,7 @@ about the messages the agent sees. See README.md.
 """
 import collections
 import dataclasses
+import enum
 import json
 import multiprocessing.connection
 import os
@@ -27,6 +28,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import tyro
 
+import annotator
 import envs
 import reward_models
 
@@ -81,6 +83,9 @@ class Args:
     across them. Empty: start the embedded CPU server (llm_server.py) when the reward type needs one"""
     llm_model: str | None = None
     """model name to ask for (default: the first one the server lists)"""
+    llm_concurrency: int | None = None
+    """LLM requests kept in flight (default: 64 for --llm-url servers, which batch them; fewer for the
+    embedded server)"""
     llm_threads: int | None = None
     """CPU threads of the embedded LLM server (default: the cores left over by the env workers, >= 1)"""
     prompt_file: str | None = None
@@ -108,15 +113,27 @@ class Args:
 
 
 # Flags that a resumed run takes from its command line; all others come from the checkpoint.
-RESUME_OVERRIDES = ("total_env_steps", "num_workers", "device", "track", "llm_url", "llm_model", "llm_threads",
-                    "prompt_file", "checkpoint_every_s")
+RESUME_OVERRIDES = ("total_env_steps", "num_workers", "device", "track", "llm_url", "llm_model", "llm_concurrency",
+                    "llm_threads", "prompt_file", "checkpoint_every_s")
 CROP = 12  # the paper's crop of the map around the agent
-ENDS = {"running": 0, "terminated": 1, "truncated": 2, "reset": 3}  # per-transition end codes
+
+
+class End(enum.IntEnum):
+    """Per-transition end codes in the rollout buffers."""
+    RUNNING = 0
+    TERMINATED = 1  # death or success: the return is cut, the next observation starts a new episode
+    TRUNCATED = 2  # time limit: bootstrapped from its last observation, which obs t+1 shows
+    RESET = 3  # the step after a truncation only reset the env: no transition of the policy
 
 
 def episode_cut(end):
-    """Transitions after which the next observation starts a new episode (GRU state reset)."""
-    return (end == ENDS["terminated"]) | (end == ENDS["reset"])
+    """Transitions after which the next observation starts a new episode."""
+    return (end == End.TERMINATED) | (end == End.RESET)
+
+
+def carry_state(h, end):
+    """The GRU state [..., hidden] the next observation starts from: zeroed after an episode's end."""
+    return h * ~episode_cut(end).to(h.device)[..., None]
 
 
 def fail(message: str):
@@ -124,9 +141,7 @@ def fail(message: str):
     raise SystemExit(f"error: {message}")
 
 
-# ---------------------------------------------------------------------------------------------
-# Policy
-# ---------------------------------------------------------------------------------------------
+# -- Policy ------------------------------------------------------------------------------------------
 def layer_init(layer, std=np.sqrt(2), bias=0.0):
     nn.init.orthogonal_(layer.weight, std)
     nn.init.constant_(layer.bias, bias)
@@ -190,9 +205,7 @@ class Agent(nn.Module):
         return self.actor(out), self.critic(out).squeeze(-1)
 
 
-# ---------------------------------------------------------------------------------------------
-# V-trace and the loss
-# ---------------------------------------------------------------------------------------------
+# -- V-trace and the loss ----------------------------------------------------------------------------
 def vtrace(rewards, values, bootstrap, discounts, rhos, cs):
     """V-trace targets (Espeholt et al. 2018, eq. 1) in backward recursive form.
     rewards, discounts, rhos, cs, values: [T, B]; bootstrap: V(x_T) [B].
@@ -211,8 +224,8 @@ def vtrace_targets(end, rewards, values, ratio, gamma):
     """V-trace over a rollout with episode boundaries; values: [T+1, B] (the last bootstraps).
     A truncated episode bootstraps from its real last observation; only true ends cut the return.
     A reset step (the step after a truncation) is no transition: rho = c = 0 and no discount."""
-    discounts = gamma * ((end == ENDS["running"]) | (end == ENDS["truncated"])).float()
-    clipped = ratio.clamp(max=1.0) * (end != ENDS["reset"]).float()  # rho_bar = c_bar = 1
+    discounts = gamma * ((end == End.RUNNING) | (end == End.TRUNCATED)).float()
+    clipped = ratio.clamp(max=1.0) * (end != End.RESET).float()  # rho_bar = c_bar = 1
     return vtrace(rewards, values[:-1], values[-1], discounts, clipped, clipped)
 
 
@@ -221,7 +234,7 @@ def appo_loss(agent, batch, rewards, args):
     coefficients and the ratio's safety clamp of sample-factory v1, which ONI used."""
     end = batch["end"]
     cuts = episode_cut(end)
-    valid = (end != ENDS["reset"]).float()  # a reset step is no transition of the policy
+    valid = (end != End.RESET).float()  # a reset step is no transition of the policy
     logits, values = agent.unroll(batch["obs"], batch["h0"], cuts)
     log_probs = torch.log_softmax(logits[:-1], dim=-1)
     new_logp = log_probs.gather(-1, batch["action"][..., None]).squeeze(-1)
@@ -243,9 +256,7 @@ def appo_loss(agent, batch, rewards, args):
                                                                * valid).sum().item() / n.item()}
 
 
-# ---------------------------------------------------------------------------------------------
-# Shared-memory rollout buffers and env workers
-# ---------------------------------------------------------------------------------------------
+# -- Shared-memory rollout buffers and env workers ---------------------------------------------------
 def make_buffers(num_buffers, rollout, n):
     """Rollout buffers in shared memory, indexed [buffer, t, env of the slot]."""
     def shared(*shape, dtype):
@@ -307,10 +318,10 @@ def env_worker(index, task, seed, num_envs, buffers, conn, max_episode_steps=env
                     continue
                 if needs_reset[i]:
                     needs_reset[i] = False
-                    (obs, _), reward, end = pool[i].reset(), 0.0, ENDS["reset"]
+                    (obs, _), reward, end = pool[i].reset(), 0.0, End.RESET
                 else:
                     obs, reward, terminated, truncated, info = pool[i].step(bufs["action"][b, t, j])
-                    end = ENDS["terminated"] if terminated else ENDS["truncated"] if truncated else 0
+                    end = End.TERMINATED if terminated else End.TRUNCATED if truncated else End.RUNNING
                     message, count, stepped = obs["message"].copy(), info["message_count"], True  # reset refills obs
                     if terminated or truncated:
                         episodes.append((i, info["episode"]))
@@ -328,7 +339,7 @@ def env_worker(index, task, seed, num_envs, buffers, conn, max_episode_steps=env
                                         max_episode_steps=max_episode_steps)
                 (obs, _), needs_reset[i] = pool[i].reset(), False
                 if not stepped:  # else the step ended its episode and only the reset failed: keep it
-                    reward, end, message, count = 0.0, ENDS["reset"], 0, 1
+                    reward, end, message, count = 0.0, End.RESET, 0, 1
                 if t < 0:
                     write(b, 0, j, obs)
                     continue
@@ -349,8 +360,8 @@ def add_intrinsic_episodes(totals, finished, paid, end, env_ids, n):
     for first in range(0, paid.shape[1], n):
         ids = env_ids[first:first + n]
         for p, e in zip(paid[:, first:first + n], end[:, first:first + n]):
-            totals[ids] = np.where((e == ENDS["reset"])[:, None], 0.0, totals[ids] + np.stack([p, p != 0, np.ones_like(p)], 1))
-            for j in np.flatnonzero((e == ENDS["terminated"]) | (e == ENDS["truncated"])):
+            totals[ids] = np.where((e == End.RESET)[:, None], 0.0, totals[ids] + np.stack([p, p != 0, np.ones_like(p)], 1))
+            for j in np.flatnonzero((e == End.TERMINATED) | (e == End.TRUNCATED)):
                 total, rewarded, steps = totals[ids[j]]
                 finished[ids[j]].append({"intrinsic_return": total, "intrinsic_rewarded_fraction": rewarded / steps})
                 totals[ids[j]] = 0.0
@@ -366,39 +377,29 @@ def join_episodes(pending, finished, final=False):
     return sorted(out, key=lambda e: e["env_steps"])
 
 
-# ---------------------------------------------------------------------------------------------
-# Checkpoints
-# ---------------------------------------------------------------------------------------------
-def resolve_checkpoint(path):
+# -- Checkpoints -------------------------------------------------------------------------------------
+def load_checkpoint(path, agent=None):
+    """(file, checkpoint, its Args) of a checkpoint file or run dir, the policy loaded into agent;
+    a one-line error for anything that is not a checkpoint of this code."""
     path = os.path.join(path, "checkpoint.pt") if os.path.isdir(path) else path
     if not os.path.isfile(path):
         fail(f"no checkpoint at {path}")
-    return path
-
-
-def load_checkpoint(path):
-    path = resolve_checkpoint(path)
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=False)
     except Exception as error:
         fail(f"cannot read checkpoint {path}: {type(error).__name__}: {str(error).splitlines()[0]}")
     if not isinstance(checkpoint, dict) or not {"model", "args", "counters"} <= set(checkpoint):
         fail(f"{path} is not a checkpoint of oni_appo.py")
-    return path, checkpoint
-
-
-def saved_args(checkpoint, path) -> Args:
     try:
-        return Args(**checkpoint["args"])
+        saved = Args(**checkpoint["args"])
     except TypeError as error:
         fail(f"checkpoint {path} was written by another version of oni_appo.py: {error}")
-
-
-def load_model(agent, state, path):
     try:
-        agent.load_state_dict(state)
+        if agent is not None:
+            agent.load_state_dict(checkpoint["model"])
     except RuntimeError as error:
         fail(f"checkpoint {path} does not match this policy: {str(error).splitlines()[1].strip()}")
+    return path, checkpoint, saved
 
 
 def save_checkpoint(path, state):
@@ -407,9 +408,7 @@ def save_checkpoint(path, state):
     os.replace(tmp, path)  # never leave a half-written checkpoint
 
 
-# ---------------------------------------------------------------------------------------------
-# Setup, evaluation, training
-# ---------------------------------------------------------------------------------------------
+# -- Setup, evaluation, training ---------------------------------------------------------------------
 def parse_args(argv=None) -> Args:
     args = tyro.cli(Args, args=argv)
     if args.eval is not None:
@@ -417,8 +416,7 @@ def parse_args(argv=None) -> Args:
             fail("--eval-episodes must be at least 1")
         return args
     if args.resume is not None:
-        path, checkpoint = load_checkpoint(args.resume)
-        saved = saved_args(checkpoint, path)
+        path, _, saved = load_checkpoint(args.resume)
         defaults = Args()
         for name in (f.name for f in dataclasses.fields(Args) if f.name not in ("resume", "run_dir")):
             if getattr(args, name) != getattr(defaults, name):
@@ -463,12 +461,9 @@ def to_device(obs, device):
 
 
 def evaluate(args):
-    path, checkpoint = load_checkpoint(args.eval)
-    saved = saved_args(checkpoint, path)
     device = pick_device(args.device)
-    agent = Agent().to(device)
-    load_model(agent, checkpoint["model"], path)
-    agent.eval()
+    agent = Agent().to(device).eval()
+    path, _, saved = load_checkpoint(args.eval, agent)
     n = min(args.eval_episodes, 16)
     first_seed = 10_000_019 * (saved.seed + 1)  # episodes no training run plays
     pool = [envs.make_env(saved.task, seed=first_seed + i, max_episode_steps=saved.max_episode_steps) for i in range(n)]
@@ -523,127 +518,134 @@ class Logger:
                 self.writer.add_scalar(f"{prefix}/{k}", v, step)
 
 
+@dataclass
+class Run:
+    """What the inference loop (main thread) and the learner thread share during training."""
+    args: Args
+    device: torch.device
+    agent: Agent  # the learner's
+    acting_agent: Agent  # a copy for inference, refreshed after every update under weights_lock
+    optimizer: torch.optim.Optimizer
+    intrinsic: reward_models.IntrinsicReward
+    client: annotator.LabelClient | None  # the annotator's: label requests out, labels in
+    logger: "Logger"
+    buffers: dict
+    counters: dict  # env_steps, updates (= the policy version), episodes
+    envs_per_slot: int  # a slot is one half of a worker's envs, stepped together
+    buffers_per_batch: int
+    # the learner's per-update figures, drained by each progress log (deques are thread-safe)
+    updates: collections.deque = field(default_factory=collections.deque)
+    losses: dict = field(default_factory=dict)
+    run_figures: dict = field(default_factory=lambda: collections.defaultdict(list))  # for summary.json
+    error: BaseException | None = None  # a learner crash or fatal LLM error, re-raised by the main thread
+    worker_failure: str | None = None
+    start_steps: int = 0  # this session's, for steps/s
+    start_time: float = field(default_factory=time.time)
+    # weights_lock: the optimizer step, the inference copy and the counters change together, and
+    # checkpoints (taken by the learner between updates) always see a whole update
+    weights_lock: threading.Lock = field(default_factory=threading.Lock)
+    stop: threading.Event = field(default_factory=threading.Event)
+    checkpoint_due: threading.Event = field(default_factory=threading.Event)
+    free: queue.Queue = field(default_factory=queue.Queue)  # buffers to fill
+    full: queue.Queue = field(default_factory=queue.Queue)  # complete rollouts, in the order they ended
+
+    def __post_init__(self):
+        num_slots, num_envs = 2 * self.args.num_workers, 2 * self.args.num_workers * self.envs_per_slot
+        self.buffer_slot = [0] * len(self.buffers["h0"])  # which slot filled each buffer
+        self.slot_buffer, self.slot_t = [0] * num_slots, [0] * num_slots
+        self.hidden = torch.zeros(num_slots, self.envs_per_slot, self.agent.hidden_size, device=self.device)
+        # per slot, its own seeded stream of sampling noise: the same seed gives the same actions
+        # whichever slots happen to be batched together
+        self.samplers = [torch.Generator().manual_seed(self.args.seed * 1_000_003 + 7919 * s + self.counters["updates"])
+                         for s in range(num_slots)]
+        # per env: the workers' statistics of finished episodes and the learner's intrinsic totals of
+        # them, joined in the progress log; the learner's totals of the episodes in progress
+        self.pending = [collections.deque() for _ in range(num_envs)]
+        self.finished = [collections.deque() for _ in range(num_envs)]
+        self.intrinsic_totals = np.zeros((num_envs, 3))
+
+
 def train(args):
+    run = set_up(args)
+    conns, workers = start_workers(run)
+    learner = threading.Thread(target=learn, args=(run,), daemon=True)
+    learner.start()
+    stop_on_signals(run.stop)
+    run.start_time = time.time()
+    print(f"training {args.task} with reward {args.reward_type}: {args.num_workers} workers x "
+          f"{args.num_envs_per_worker} envs on {run.device}; run dir {args.run_dir}", flush=True)
+    try:
+        collect(run, conns)
+    finally:
+        run.stop.set()
+        learner.join()  # it stops after the update at hand, so the last checkpoint sees a whole one
+        stop_workers(conns, workers)
+        if run.client is not None:
+            run.client.close()
+        run.intrinsic.close()
+    if run.error is not None and not isinstance(run.error, SystemExit):
+        raise run.error
+    return finish(run)
+
+
+def set_up(args) -> Run:
     os.makedirs(args.run_dir, exist_ok=True)
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
     device = pick_device(args.device)
-    T, n = args.rollout, args.num_envs_per_worker // 2
-    num_slots = 2 * args.num_workers
-    per_batch = args.batch_size // (T * n)
-    # slots in flight + one batch: the learner copies a batch out and frees its buffers at once, so
-    # one more batch fills while it learns. More would only queue data that grows older (policy lag).
-    num_buffers = num_slots + per_batch
-
-    agent, actor = Agent().to(device), Agent().to(device)
+    envs_per_slot = args.num_envs_per_worker // 2
+    buffers_per_batch = args.batch_size // (args.rollout * envs_per_slot)
+    agent, acting_agent = Agent().to(device), Agent().to(device)
     optimizer = torch.optim.Adam(agent.parameters(), lr=args.lr, eps=1e-5)
     counters = {"env_steps": 0, "updates": 0, "episodes": 0}
     intrinsic = reward_models.IntrinsicReward(args, device)
     if args.resume:
-        _, checkpoint = load_checkpoint(args.resume)
-        load_model(agent, checkpoint["model"], args.resume)
+        _, checkpoint, _ = load_checkpoint(args.resume, agent)
         optimizer.load_state_dict(checkpoint["optimizer"])
         counters.update(checkpoint["counters"])
+        labels = os.path.join(args.run_dir, annotator.LABELS_FILE)
+        if os.path.exists(labels):  # the labels so far come back from the run's file, not asked again
+            intrinsic.add_labels(annotator.read_labels(labels))
         intrinsic.load_state_dict(checkpoint.get("intrinsic", {}))
         print(f"resumed from {args.resume} at {counters['env_steps']:,} env steps")
-    actor.load_state_dict(agent.state_dict())
-    actor.eval()
+    acting_agent.load_state_dict(agent.state_dict())
+    acting_agent.eval()
+    client = annotator.LabelClient(args) if args.reward_type in reward_models.NEEDS_LLM else None
     logger = Logger(args)
-    intrinsic.start(args.run_dir)  # the annotator subprocess and, if needed, the LLM server
+    if client is not None:  # the annotator subprocess and, without --llm-url, the embedded server
+        client.start(args.run_dir, known=intrinsic.known_keys())
+    intrinsic.start()
+    # slots in flight + one batch: the learner copies a batch out and frees its buffers at once, so
+    # one more batch fills while it learns. More would only queue data that grows older (policy lag).
+    buffers = make_buffers(2 * args.num_workers + buffers_per_batch, args.rollout, envs_per_slot)
+    run = Run(args, device, agent, acting_agent, optimizer, intrinsic, client, logger, buffers, counters,
+              envs_per_slot, buffers_per_batch, start_steps=counters["env_steps"])
+    for b in range(len(buffers["h0"])):
+        run.free.put(b)
+    return run
 
-    buffers = make_buffers(num_buffers, T, n)
-    ctx = mp.get_context("spawn")
-    conns, workers = [], []
+
+def start_workers(run):
+    """One process per worker, each stepping its envs into the shared buffers on command."""
+    args, ctx, conns, workers = run.args, mp.get_context("spawn"), [], []
     for w in range(args.num_workers):
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=env_worker, daemon=True,
-                           args=(w, args.task, args.seed * 1_000_003 + counters["updates"],
-                                 args.num_envs_per_worker, buffers, child, args.max_episode_steps))
+                           args=(w, args.task, args.seed * 1_000_003 + run.counters["updates"],
+                                 args.num_envs_per_worker, run.buffers, child, args.max_episode_steps))
         proc.start()
         conns.append(parent)
         workers.append(proc)
+    for s in range(len(run.slot_buffer)):  # every slot resets its envs into a first buffer
+        run.slot_buffer[s] = run.free.get()
+        run.buffer_slot[run.slot_buffer[s]] = s
+        run.buffers["h0"][run.slot_buffer[s]] = 0.0
+        conns[s // 2].send((s % 2, run.slot_buffer[s], -1))
+    return conns, workers
 
-    free, full = queue.Queue(), queue.Queue()
-    buffer_slot = [0] * num_buffers  # which slot (half of a worker's envs) filled each buffer
-    # per env: the workers' statistics of finished episodes and the learner's intrinsic totals of
-    # them, joined in the progress log; the learner's running totals of the episodes in progress
-    pending = [collections.deque() for _ in range(num_slots * n)]
-    finished = [collections.deque() for _ in range(num_slots * n)]
-    intrinsic_totals = np.zeros((num_slots * n, 3))
-    for b in range(num_buffers):
-        free.put(b)
-    version = [counters["updates"]]  # the actor's policy version; one learner update = +1
-    # weights_lock: the optimizer step, the inference copy and the counters change together, and
-    # checkpoints (taken by the learner between updates) always see a whole update
-    weights_lock, stop, checkpoint_due = threading.Lock(), threading.Event(), threading.Event()
-    # the learner's per-update figures, drained by each progress log (a deque is thread-safe)
-    stats = {"updates": collections.deque(), "losses": {}, "error": None, "run": collections.defaultdict(list)}
 
-    def checkpoint():
-        with weights_lock:
-            state = {"model": agent.state_dict(), "optimizer": optimizer.state_dict(),
-                     "counters": dict(counters), "args": dataclasses.asdict(args),
-                     "intrinsic": intrinsic.state_dict()}
-        save_checkpoint(os.path.join(args.run_dir, "checkpoint.pt"), state)
-
-    def learner():
-        try:
-            while not stop.is_set():
-                ids = []
-                while len(ids) < per_batch and not stop.is_set():
-                    if checkpoint_due.is_set():  # between two updates
-                        checkpoint_due.clear()
-                        checkpoint()
-                    try:
-                        ids.append(full.get(timeout=0.5))
-                    except queue.Empty:
-                        pass
-                if stop.is_set():
-                    break
-                index = torch.tensor(ids)
-                # [buffers, t, env, ...] -> [t, buffers * env, ...]
-                def gather(key):
-                    return buffers[key][index].transpose(0, 1).flatten(1, 2).to(device)
-                batch = {"obs": {k: gather(k) for k in OBS_FIELDS},
-                         "action": gather("action"), "logprob": gather("logprob"), "end": gather("end"),
-                         "h0": buffers["h0"][index].flatten(0, 1).to(device)}
-                env_reward, step_count = gather("reward"), gather("step_count")
-                step_message = buffers["step_message"][index].transpose(0, 1).flatten(1, 2)  # stays on the CPU
-                env_ids = np.concatenate([buffer_slot[b] * n + np.arange(n) for b in ids])
-                lag = version[0] - buffers["version"][index].float()
-                for b in ids:
-                    free.put(b)
-                started = time.perf_counter()
-                rewards, paid, reward_stats = intrinsic.rewards(env_reward, step_message, step_count,
-                                                                batch["end"] == ENDS["terminated"])
-                add_intrinsic_episodes(intrinsic_totals, finished, paid, batch["end"], env_ids, n)
-                intrinsic_done = time.perf_counter()
-                loss, losses = appo_loss(agent, batch, rewards, args)
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                losses["grad_norm"] = nn.utils.clip_grad_norm_(agent.parameters(), args.max_grad_norm).item()
-                with weights_lock:
-                    optimizer.step()
-                    actor.load_state_dict(agent.state_dict())
-                    version[0] += 1
-                    counters["updates"] += 1
-                policy_done = time.perf_counter()
-                losses.update(intrinsic.train_step())
-                # where the learner's time goes (tensorboard losses/time_*)
-                losses.update(time_intrinsic_s=intrinsic_done - started, time_policy_s=policy_done - intrinsic_done,
-                              time_reward_model_s=time.perf_counter() - policy_done)
-                stats["losses"] = losses
-                stats["updates"].append(dict(reward_stats, lag_mean=lag.mean().item(), lag_max=lag.max().item()))
-        except BaseException as error:  # surface learner crashes (and fatal LLM errors) in the main thread
-            stats["error"] = error
-            stop.set()
-            if not isinstance(error, SystemExit):
-                raise
-
-    learner_thread = threading.Thread(target=learner, daemon=True)
-    learner_thread.start()
-
+def stop_on_signals(stop):
     def request_stop(signum, frame):
         if stop.is_set():
             raise KeyboardInterrupt
@@ -652,162 +654,250 @@ def train(args):
     signal.signal(signal.SIGINT, request_stop)
     signal.signal(signal.SIGTERM, request_stop)
 
-    # Each slot is one half of one worker's envs, with its buffer, step t and GRU state.
-    slot_buffer, slot_t = [free.get() for _ in range(num_slots)], [0] * num_slots
-    hidden = torch.zeros(num_slots, n, agent.hidden_size, device=device)
-    samplers = [torch.Generator().manual_seed(args.seed * 1_000_003 + 7919 * s + counters["updates"])
-                for s in range(num_slots)]
-    for s in range(num_slots):
-        buffer_slot[slot_buffer[s]] = s
-        buffers["h0"][slot_buffer[s]] = 0.0
-        conns[s // 2].send((s % 2, slot_buffer[s], -1))
-    waiting, worker_failure = [], None
-    start_steps, start_time, last_log, last_checkpoint = counters["env_steps"], time.time(), time.time(), time.time()
-    print(f"training {args.task} with reward {args.reward_type}: {args.num_workers} workers x "
-          f"{args.num_envs_per_worker} envs on {device}; run dir {args.run_dir}", flush=True)
-    try:
-        while counters["env_steps"] < args.total_env_steps and not stop.is_set():
-            ready, waiting = waiting, []  # slots still waiting for a free buffer come first
-            for conn in multiprocessing.connection.wait(conns, timeout=0.1):
-                while conn.poll():
-                    try:
-                        half, episodes = conn.recv()
-                    except (EOFError, OSError):
-                        w = conns.index(conn)
-                        worker_failure = f"env worker {w} died (exit code {workers[w].exitcode})"
-                        stop.set()
-                        break
-                    w = conns.index(conn)
-                    ready.append(w * 2 + half)
-                    for i, episode in episodes:
-                        pending[w * args.num_envs_per_worker + i].append(dict(episode, env_steps=counters["env_steps"]))
-                    counters["episodes"] += len(episodes)
-            if worker_failure:
-                break
-            ready_now = []
-            for s in ready:
-                if slot_t[s] == T:  # rollout complete: hand it to the learner, start a new one
-                    try:
-                        new = free.get_nowait()
-                    except queue.Empty:
-                        waiting.append(s)  # back-pressure: the learner is behind
-                        continue
-                    old = slot_buffer[s]
-                    # the state fed with the new buffer's first obs, reset if an episode just ended
-                    last_end = buffers["end"][old, T - 1]
-                    hidden[s] *= ~episode_cut(last_end).to(device)[:, None]
-                    for k in OBS_FIELDS:
-                        buffers[k][new, 0] = buffers[k][old, T]
-                    buffers["h0"][new] = hidden[s].cpu()
-                    full.put(old)
-                    slot_buffer[s], slot_t[s], buffer_slot[new] = new, 0, s
-                ready_now.append(s)
-            if not ready_now:
-                continue
-            bs = torch.tensor([slot_buffer[s] for s in ready_now])
-            ts = torch.tensor([slot_t[s] for s in ready_now])
-            obs = {k: buffers[k][bs, ts].flatten(0, 1) for k in OBS_FIELDS}
-            h = hidden[ready_now]  # [slots, n, hidden]
-            prev_end = buffers["end"][bs, (ts - 1).clamp(min=0)]
-            cut = episode_cut(prev_end) & (ts > 0)[:, None]
-            h = h * (~cut).to(device).float()[..., None]
-            with torch.no_grad(), weights_lock:
-                logits, _, h_new = actor.step(to_device(obs, device), h.flatten(0, 1))
-                current_version = version[0]
-            # Gumbel-max sampling from each slot's own seeded stream: the same seed gives the same
-            # actions whichever slots happen to be batched together
-            noise = torch.cat([torch.rand(n, logits.shape[1], generator=samplers[s]) for s in ready_now])
-            log_probs = torch.log_softmax(logits.float(), dim=-1)
-            action = (log_probs - torch.log(-torch.log(noise.to(device).clamp(min=1e-20)))).argmax(-1)
-            logprob = log_probs.gather(-1, action[:, None]).squeeze(-1)
-            hidden[ready_now] = h_new.view(len(ready_now), n, -1)
-            buffers["action"][bs, ts] = action.view(len(ready_now), n).cpu()
-            buffers["logprob"][bs, ts] = logprob.view(len(ready_now), n).cpu()
-            buffers["version"][bs, ts] = current_version
-            for s, b, t in zip(ready_now, bs.tolist(), ts.tolist()):
-                conns[s // 2].send((s % 2, b, t))
-                slot_t[s] = t + 1
-            counters["env_steps"] += len(ready_now) * n
 
-            now = time.time()
-            if now - last_log > 5 and counters["updates"] > 0:
-                log_progress(logger, counters, stats, join_episodes(pending, finished), start_steps, start_time,
-                             now, intrinsic)
-                last_log = now
-            if now - last_checkpoint > args.checkpoint_every_s:
-                checkpoint_due.set()  # the learner saves between two updates
-                last_checkpoint = now
-    finally:
-        stop.set()
-        learner_thread.join()  # it stops after the update at hand, so the last checkpoint sees a whole one
-        for conn in conns:
+def stop_workers(conns, workers):
+    for conn in conns:
+        try:
+            conn.send(None)
+        except (BrokenPipeError, OSError):
+            pass
+    for proc in workers:
+        proc.join(timeout=5)
+        if proc.is_alive():
+            proc.terminate()
+
+
+# -- The main thread: inference on whichever slots are ready -----------------------------------------
+def collect(run, conns):
+    """Until the step budget or a stop: hand complete rollouts to the learner, act for the slots
+    whose envs have stepped, log, and ask the learner for periodic checkpoints."""
+    waiting, last_log, last_checkpoint = [], time.time(), time.time()
+    while run.counters["env_steps"] < run.args.total_env_steps and not run.stop.is_set():
+        ready, waiting = waiting + receive(run, conns), []  # slots that waited for a free buffer first
+        acting = []
+        for s in ready:
+            if run.slot_t[s] == run.args.rollout and not hand_over(run, s):
+                waiting.append(s)  # back-pressure: no free buffer, the learner is behind
+            else:
+                acting.append(s)
+        if acting:
+            act(run, conns, acting)
+        now = time.time()
+        if now - last_log > 5 and run.counters["updates"] > 0:
+            log_progress(run, join_episodes(run.pending, run.finished), now)
+            last_log = now
+        if now - last_checkpoint > run.args.checkpoint_every_s:
+            run.checkpoint_due.set()  # the learner saves between two updates
+            last_checkpoint = now
+
+
+def receive(run, conns):
+    """The slots whose envs finished a step, and the episodes those steps ended."""
+    ready = []
+    for conn in multiprocessing.connection.wait(conns, timeout=0.1):
+        w = conns.index(conn)
+        while conn.poll():
             try:
-                conn.send(None)
-            except (BrokenPipeError, OSError):
-                pass
-        for proc in workers:
-            proc.join(timeout=5)
-            if proc.is_alive():
-                proc.terminate()
-        intrinsic.close()
-    if stats["error"] is not None and not isinstance(stats["error"], SystemExit):
-        raise stats["error"]
-    log_progress(logger, counters, stats, join_episodes(pending, finished, final=True), start_steps, start_time,
-                 time.time(), intrinsic)
-    checkpoint()
-    intrinsic.write_messages(os.path.join(args.run_dir, "messages.tsv"))
-    elapsed = time.time() - start_time
-    summary = {"env_steps": counters["env_steps"], "updates": counters["updates"],
-               "episodes": counters["episodes"], "sps": (counters["env_steps"] - start_steps) / elapsed,
-               "wall_time_s": elapsed}
-    run = {k: v for k, v in stats["run"].items() if v}  # this session's logging windows
-    summary.update({"policy_lag_mean": float(np.mean(run.get("lag_mean", [0.0]))),
-                    "intrinsic_max_reward": max(run.get("max_reward", [0.0])),
-                    "intrinsic_terminal_step_reward": float(np.mean(run["terminal_step_reward"]))
-                    if "terminal_step_reward" in run else None})
-    summary.update(summary_stats(args.run_dir, counters))
-    summary.update(intrinsic.summary())
+                half, episodes = conn.recv()
+            except (EOFError, OSError):
+                run.worker_failure = f"env worker {w} died"
+                run.stop.set()
+                break
+            ready.append(2 * w + half)
+            for i, episode in episodes:
+                run.pending[w * run.args.num_envs_per_worker + i].append(dict(episode, env_steps=run.counters["env_steps"]))
+            run.counters["episodes"] += len(episodes)
+    return ready
+
+
+def hand_over(run, s):
+    """Slot s finished its rollout: queue it for the learner and go on in a free buffer from its last
+    observation and state. False if no buffer is free."""
+    try:
+        new = run.free.get_nowait()
+    except queue.Empty:
+        return False
+    old, T = run.slot_buffer[s], run.args.rollout
+    run.hidden[s] = carry_state(run.hidden[s], run.buffers["end"][old, T - 1])
+    for k in OBS_FIELDS:
+        run.buffers[k][new, 0] = run.buffers[k][old, T]
+    run.buffers["h0"][new] = run.hidden[s].cpu()
+    run.full.put(old)
+    run.slot_buffer[s], run.slot_t[s], run.buffer_slot[new] = new, 0, s
+    return True
+
+
+def act(run, conns, slots):
+    """One batched inference step for these slots: actions, log-probs and the policy version into
+    their buffers at their step t, then each slot's worker steps its envs."""
+    buffers, n = run.buffers, run.envs_per_slot
+    bs = torch.tensor([run.slot_buffer[s] for s in slots])
+    ts = torch.tensor([run.slot_t[s] for s in slots])
+    obs = {k: buffers[k][bs, ts].flatten(0, 1) for k in OBS_FIELDS}
+    # at t = 0 the state was carried over at the hand-over; after that, reset where an episode ended
+    prev_end = torch.where(ts[:, None] > 0, buffers["end"][bs, (ts - 1).clamp(min=0)], End.RUNNING)
+    h = carry_state(run.hidden[slots], prev_end.to(run.device))
+    with torch.no_grad(), run.weights_lock:
+        logits, _, h_new = run.acting_agent.step(to_device(obs, run.device), h.flatten(0, 1))
+        version = run.counters["updates"]
+    # Gumbel-max sampling from each slot's own stream of noise
+    noise = torch.cat([torch.rand(n, logits.shape[1], generator=run.samplers[s]) for s in slots])
+    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    action = (log_probs - torch.log(-torch.log(noise.to(run.device).clamp(min=1e-20)))).argmax(-1)
+    run.hidden[slots] = h_new.view(len(slots), n, -1)
+    buffers["action"][bs, ts] = action.view(len(slots), n).cpu()
+    buffers["logprob"][bs, ts] = log_probs.gather(-1, action[:, None]).view(len(slots), n).cpu()
+    buffers["version"][bs, ts] = version
+    for s, b, t in zip(slots, bs.tolist(), ts.tolist()):
+        conns[s // 2].send((s % 2, b, t))
+        run.slot_t[s] = t + 1
+    run.counters["env_steps"] += len(slots) * n
+
+
+# -- The learner thread ------------------------------------------------------------------------------
+def learn(run):
+    """Batches of complete rollouts -> each step's reward (extrinsic + intrinsic) -> one APPO update;
+    then the LLM's new labels go to the intrinsic reward."""
+    try:
+        while (ids := next_batch(run)) is not None:
+            batch, step_message, env_ids, lag = take_batch(run, ids)
+            started = time.perf_counter()
+            rewards, paid, reward_stats = run.intrinsic.rewards(batch["reward"], step_message, batch["step_count"],
+                                                                batch["end"] == End.TERMINATED)
+            add_intrinsic_episodes(run.intrinsic_totals, run.finished, paid, batch["end"], env_ids, run.envs_per_slot)
+            intrinsic_done = time.perf_counter()
+            losses = update_policy(run, batch, rewards)
+            if run.client is not None:  # where labels enter the reward, and captions leave for the LLM
+                run.client.check()  # a fatal LLM error stops the run; a dead annotator is restarted
+                run.intrinsic.add_labels(run.client.new_records())
+                run.client.request(*run.intrinsic.label_requests())
+            # where the learner's time goes (tensorboard losses/time_*)
+            run.losses = dict(losses, **run.intrinsic.train_stats(), time_intrinsic_s=intrinsic_done - started,
+                              time_policy_s=time.perf_counter() - intrinsic_done)
+            run.updates.append(dict(reward_stats, lag_mean=lag.mean().item(), lag_max=lag.max().item()))
+    except BaseException as error:  # surfaced in the main thread, with a checkpoint for a fatal LLM error
+        run.error = error
+        run.stop.set()
+        if not isinstance(error, SystemExit):
+            raise
+
+
+def next_batch(run):
+    """The ids of the next buffers_per_batch complete rollouts (None once stopped); checkpoints when
+    due, between two updates."""
+    ids = []
+    while len(ids) < run.buffers_per_batch:
+        if run.stop.is_set():
+            return None
+        if run.checkpoint_due.is_set():
+            run.checkpoint_due.clear()
+            save(run)
+        try:
+            ids.append(run.full.get(timeout=0.5))
+        except queue.Empty:
+            pass
+    return ids
+
+
+def take_batch(run, ids):
+    """Copies the rollouts out of their buffers ([buffer, t, env] -> [t, buffer * env]) and frees them."""
+    index = torch.tensor(ids)
+
+    def gather(key):
+        return run.buffers[key][index].transpose(0, 1).flatten(1, 2)
+    batch = {"obs": {k: gather(k) for k in OBS_FIELDS}, "h0": run.buffers["h0"][index].flatten(0, 1)}
+    batch.update({k: gather(k) for k in ("action", "logprob", "end", "reward", "step_count")})
+    batch = {k: to_device(v, run.device) if k == "obs" else v.to(run.device) for k, v in batch.items()}
+    step_message = gather("step_message")  # stays on the CPU: the reward finds its distinct messages there
+    env_ids = np.concatenate([run.buffer_slot[b] * run.envs_per_slot + np.arange(run.envs_per_slot) for b in ids])
+    lag = run.counters["updates"] - run.buffers["version"][index].float()
+    for b in ids:
+        run.free.put(b)
+    return batch, step_message, env_ids, lag
+
+
+def update_policy(run, batch, rewards):
+    loss, losses = appo_loss(run.agent, batch, rewards, run.args)
+    run.optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    losses["grad_norm"] = nn.utils.clip_grad_norm_(run.agent.parameters(), run.args.max_grad_norm).item()
+    with run.weights_lock:
+        run.optimizer.step()
+        run.acting_agent.load_state_dict(run.agent.state_dict())
+        run.counters["updates"] += 1
+    return losses
+
+
+def save(run):
+    with run.weights_lock:
+        state = {"model": run.agent.state_dict(), "optimizer": run.optimizer.state_dict(),
+                 "counters": dict(run.counters), "args": dataclasses.asdict(run.args),
+                 "intrinsic": run.intrinsic.state_dict()}
+    save_checkpoint(os.path.join(run.args.run_dir, "checkpoint.pt"), state)
+
+
+# -- Progress, summary -------------------------------------------------------------------------------
+def log_progress(run, episodes, now):
+    steps, logger = run.counters["env_steps"], run.logger
+    sps = (steps - run.start_steps) / (now - run.start_time)
+    window = [run.updates.popleft() for _ in range(len(run.updates))]  # updates since the last log
+    figures = {k: [u[k] for u in window if k in u] for k in {k for u in window for k in u}}
+    figures = {k: max(v) if k.endswith("max") or k.startswith("max") else float(np.mean(v)) for k, v in figures.items()}
+    for k, v in figures.items():
+        run.run_figures[k].append(v)
+    lag_mean, lag_max = figures.pop("lag_mean", 0.0), int(figures.pop("lag_max", 0))
+    llm = run.client.stats() if run.client is not None else {}
+    logger.scalars("charts", {"SPS": sps, "policy_lag_mean": lag_mean, "policy_lag_max": lag_max,
+                              "updates": run.counters["updates"]}, steps)
+    logger.scalars("losses", run.losses, steps)
+    logger.scalars("intrinsic", figures, steps)
+    logger.scalars("llm", llm, steps)
+    for e in episodes:
+        logger.writer.add_scalar("charts/episodic_return", e["return"], steps)
+        logger.writer.add_scalar("charts/episodic_length", e["steps"], steps)
+        logger.scalars("episode", {k: v for k, v in e.items() if k != "env_steps"}, steps)
+    if episodes:
+        with open(os.path.join(run.args.run_dir, "episodes.jsonl"), "a") as f:
+            f.writelines(json.dumps(e) + "\n" for e in episodes)
+    mean_return = f"{np.mean([e['return'] for e in episodes]):8.2f}" if episodes else "     n/a"
+    labels = (f" | llm labels {llm.get('labels', 0):,} fail {llm.get('failures', 0):,} "
+              f"backlog {llm.get('backlog', 0):,}") if llm else ""
+    print(f"steps {steps:>13,} | {sps:8,.0f} steps/s | episodes {run.counters['episodes']:>7,} | "
+          f"return {mean_return} | lag {lag_mean:4.1f}/{lag_max:<3d} | updates {run.counters['updates']:,}{labels}",
+          flush=True)
+
+
+def finish(run):
+    """The last log, checkpoint, messages.tsv and summary.json; a stop for a failure is a one-line error."""
+    args = run.args
+    log_progress(run, join_episodes(run.pending, run.finished, final=True), time.time())
+    save(run)
+    run.intrinsic.write_messages(os.path.join(args.run_dir, "messages.tsv"))
+    elapsed = time.time() - run.start_time
+    figures, llm = {k: v for k, v in run.run_figures.items() if v}, run.client.stats() if run.client else {}
+    summary = {"env_steps": run.counters["env_steps"], "updates": run.counters["updates"],
+               "episodes": run.counters["episodes"], "sps": (run.counters["env_steps"] - run.start_steps) / elapsed,
+               "wall_time_s": elapsed, "policy_lag_mean": float(np.mean(figures.get("lag_mean", [0.0]))),
+               "intrinsic_max_reward": max(figures.get("max_reward", [0.0])),
+               "intrinsic_terminal_step_reward": float(np.mean(figures["terminal_step_reward"]))
+               if "terminal_step_reward" in figures else None}
+    summary.update(episode_means(args.run_dir))
+    summary.update({"llm_labels": llm.get("labels", 0), "llm_failures": llm.get("failures", 0),
+                    "llm_parse_failures": llm.get("parse_failures", 0), "annotator_restarts": llm.get("restarts", 0),
+                    "llm_answers_restricted": llm.get("answers_restricted")})  # None: chat prompts, or no LLM
     with open(os.path.join(args.run_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
-    logger.writer.close()
-    if isinstance(stats["error"], SystemExit):
-        fail(f"{str(stats['error']).removeprefix('error: ')}; checkpoint saved, continue with --resume {args.run_dir}")
-    if worker_failure:
-        fail(f"{worker_failure}; checkpoint saved, continue with --resume {args.run_dir}")
-    print(f"done: {counters['env_steps']:,} env steps, {summary['sps']:,.0f} steps/s; "
+    run.logger.writer.close()
+    failure = str(run.error).removeprefix("error: ") if isinstance(run.error, SystemExit) else run.worker_failure
+    if failure:
+        fail(f"{failure}; checkpoint saved, continue with --resume {args.run_dir}")
+    print(f"done: {run.counters['env_steps']:,} env steps, {summary['sps']:,.0f} steps/s; "
           f"{args.run_dir}/summary.json", flush=True)
     return summary
 
 
-def log_progress(logger, counters, stats, episode_stats, start_steps, start_time, now, intrinsic):
-    steps = counters["env_steps"]
-    sps = (steps - start_steps) / (now - start_time)
-    window = [stats["updates"].popleft() for _ in range(len(stats["updates"]))]  # updates since the last log
-    figures = {k: [u[k] for u in window if k in u] for k in {k for u in window for k in u}}
-    figures = {k: max(v) if k.endswith("max") or k.startswith("max") else float(np.mean(v)) for k, v in figures.items()}
-    for k, v in figures.items():  # whole-run figures for summary.json
-        stats["run"][k].append(v)
-    lag_mean, lag_max = figures.pop("lag_mean", 0.0), int(figures.pop("lag_max", 0))
-    logger.scalars("charts", {"SPS": sps, "policy_lag_mean": lag_mean, "policy_lag_max": lag_max,
-                              "updates": counters["updates"]}, steps)
-    logger.scalars("losses", stats["losses"], steps)
-    logger.scalars("intrinsic", figures, steps)
-    logger.scalars("llm", intrinsic.stats(), steps)
-    for e in episode_stats:
-        logger.writer.add_scalar("charts/episodic_return", e["return"], steps)
-        logger.writer.add_scalar("charts/episodic_length", e["steps"], steps)
-        logger.scalars("episode", {k: v for k, v in e.items() if k != "env_steps"}, steps)
-    if episode_stats:
-        with open(os.path.join(logger.writer.log_dir, "episodes.jsonl"), "a") as f:
-            f.writelines(json.dumps(e) + "\n" for e in episode_stats)
-    mean_return = f"{np.mean([e['return'] for e in episode_stats]):8.2f}" if episode_stats else "     n/a"
-    print(f"steps {steps:>13,} | {sps:8,.0f} steps/s | episodes {counters['episodes']:>7,} | "
-          f"return {mean_return} | lag {lag_mean:4.1f}/{lag_max:<3d} | "
-          f"updates {counters['updates']:,}{intrinsic.progress()}", flush=True)
-
-
-def summary_stats(run_dir, counters):
-    """Means over this run's episodes (episodes.jsonl holds them all, resumed runs included)."""
+def episode_means(run_dir):
+    """Means over the run's episodes (episodes.jsonl holds them all, resumed runs included)."""
     path = os.path.join(run_dir, "episodes.jsonl")
     episodes = [json.loads(line) for line in open(path)] if os.path.exists(path) else []
     if not episodes:

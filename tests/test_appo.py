@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import oni_appo
-from oni_appo import ENDS
+from oni_appo import End
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL_RUN = ["--num-workers", "2", "--num-envs-per-worker", "4", "--batch-size", "256",
@@ -116,11 +116,11 @@ def test_learner_raises_the_probability_of_the_rewarded_action():
     T, B, good = 4, 32, 5
     obs = random_obs((T + 1, B), rng)
     h0 = torch.zeros(B, 512)
-    end = torch.full((T, B), ENDS["terminated"], dtype=torch.int8)  # one-step episodes
+    end = torch.full((T, B), End.TERMINATED, dtype=torch.int8)  # one-step episodes
 
     def policy():
         with torch.no_grad():
-            logits, values = agent.unroll(obs, h0, end == ENDS["terminated"])
+            logits, values = agent.unroll(obs, h0, end == End.TERMINATED)
         return torch.softmax(logits[:-1], -1), values[:-1]
 
     start_prob = policy()[0][..., good].mean().item()
@@ -186,7 +186,7 @@ def test_end_to_end_on_nle_then_resume(tmp_path):
 
 def test_episode_intrinsic_returns_follow_each_env_across_rollouts_and_resets():
     # two rollouts of the same two envs in one batch (columns 0-1, then 2-3), T = 3 each
-    R, T, TR, RS = ENDS["running"], ENDS["terminated"], ENDS["truncated"], ENDS["reset"]
+    R, T, TR, RS = End.RUNNING, End.TERMINATED, End.TRUNCATED, End.RESET
     end = torch.tensor([[R, R, T, RS], [T, TR, R, R], [R, RS, R, T]], dtype=torch.int8)
     paid = torch.tensor([[1.0, 0.5, 2.0, 0.0], [0.25, 0.0, 0.0, 3.0], [4.0, 0.0, 0.0, 1.0]])
     totals, finished = np.zeros((2, 3)), [collections.deque() for _ in range(2)]
@@ -314,11 +314,11 @@ def test_worker_end_codes_truncation_and_crash_recovery(monkeypatch):
     parent.send(None)
     worker.join(timeout=30)
     ends = buffers["end"][0, :, 0].tolist()
-    R, TR, RS = ENDS["running"], ENDS["truncated"], ENDS["reset"]
+    R, TR, RS = End.RUNNING, End.TRUNCATED, End.RESET
     # 4 steps then the time limit; a reset step; 2 steps; the crash (a recreated env: reset); a step
     assert ends == [R, R, R, TR, RS, R, RS, R]
     assert buffers["blstats"][0, 4, 0].abs().sum() > 0  # the truncated episode's real last observation
-    assert [e["steps"] for e in episodes] == [4]
+    assert [(i, e["steps"]) for i, e in episodes] == [(0, 4)]  # (env index in the worker, statistics)
     assert buffers["step_count"][0, 5, 0] >= 1
     assert buffers["step_message"][0, 4].abs().sum() == 0 and buffers["step_count"][0, 4, 0] == 1  # reset: no message
 
@@ -343,7 +343,7 @@ def drive_worker_until_an_episode_ends(task, seed, T=64, max_rollouts=200):
                 parent.send((0, 0, t))
                 parent.recv()
                 actions.append(int(buffers["action"][0, t, 0]))
-                if buffers["end"][0, t, 0] == ENDS["terminated"]:
+                if buffers["end"][0, t, 0] == End.TERMINATED:
                     return buffers, t, actions
     finally:
         parent.send(None)
@@ -371,9 +371,9 @@ def test_a_step_that_ends_an_episode_is_scored_with_its_own_last_message():
     def paid(labels):  # the learner's intrinsic reward (Retrieval with these labels) of the rollout's steps
         args = oni_appo.Args(reward_type="retrieval", extrinsic_coef=0.0, intrinsic_coef=1.0)
         intrinsic = reward_models.IntrinsicReward(args, "cpu")
-        intrinsic.client, intrinsic.labels = None, labels
+        intrinsic.add_labels([{"caption": c, "label": v} for c, v in labels.items()])
         rewards, _, stats = intrinsic.rewards(torch.zeros(t + 1, 1), buffers["step_message"][0, :t + 1],
-                                           buffers["step_count"][0, :t + 1], buffers["end"][0, :t + 1] == ENDS["terminated"])
+                                           buffers["step_count"][0, :t + 1], buffers["end"][0, :t + 1] == End.TERMINATED)
         return rewards[:, 0], stats
 
     rewards, stats = paid({welcome.decode("latin-1"): 1.0})
@@ -411,8 +411,8 @@ def test_the_learner_recomputes_every_behaviour_log_prob(tmp_path, monkeypatch):
         gap = (logp - batch["logprob"]).abs()
         previous = torch.cat([torch.full_like(end[:1], -1), end[:-1]])
         for name, where in (("rollout start", previous == -1), ("running", (previous == 0) & (end == 0)),
-                            ("after a death", previous == ENDS["terminated"]), ("truncated", end == ENDS["truncated"]),
-                            ("reset", end == ENDS["reset"]), ("after a reset", previous == ENDS["reset"])):
+                            ("after a death", previous == End.TERMINATED), ("truncated", end == End.TRUNCATED),
+                            ("reset", end == End.RESET), ("after a reset", previous == End.RESET)):
             gaps[name].append(gap[where])
         return real_loss(agent, batch, rewards, args)
 

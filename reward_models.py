@@ -1,12 +1,10 @@
-"""ONI's intrinsic rewards: how LLM labels of messages become a reward for every step.
+"""ONI's intrinsic rewards: how LLM labels of messages become a reward for every step,
 
     r = c_ext * clip(r_env * scale, -clip, clip) + c_int * R(message) / N(message)^beta
 
-N: how often the exact message was seen in the episode so far (envs.py counts it). R comes from the
-piece of the reward type (PIECES), chosen once: it scores distinct messages and learns from new labels.
-A step's message is that of the observation it produced, in its own episode: a death is scored with
-its own last message, never with the next episode's first one.
-"""
+N: how often the exact message was seen in the episode so far (envs.py counts it). R: from the piece of the
+reward type (PIECES), chosen once, which scores distinct messages and learns from new labels. A step's message
+is that of the observation it produced: a death is scored with its own last message, not the next episode's first."""
 import collections
 import copy
 import random
@@ -21,8 +19,6 @@ import torch.nn.functional as F
 import annotator
 import envs
 
-REWARD_TYPES = ("none", "retrieval", "classification", "ranking", "ellm", "motif")
-NEEDS_LLM = ("retrieval", "classification", "ranking")
 SMALL_SET = 25_000  # below this many labels, train 32 steps per 100 new labels (the reference merged
 BURST = 32  # its client's newest 100 labels at once, then trained 32 steps): a first fit of 32 steps,
 STEPS_PER_LABEL = BURST / 100  # then 0.32 steps per label as labels arrive, at most 32 per burst
@@ -40,11 +36,8 @@ RETRY_S = 60.0  # a caption still unanswered this long after it was asked is ask
 
 def to_rows(texts: list[str], device="cpu") -> torch.Tensor:
     """Messages (latin-1 text) -> [N, 256] uint8, zero padded."""
-    out = np.zeros((len(texts), envs.MESSAGE_LEN), dtype=np.uint8)
-    for i, text in enumerate(texts):
-        raw = text.encode("latin-1", "replace")[:envs.MESSAGE_LEN]
-        out[i, :len(raw)] = np.frombuffer(raw, dtype=np.uint8)
-    return torch.from_numpy(out).to(device)
+    raw = np.array([t.encode("latin-1", "replace")[:envs.MESSAGE_LEN] for t in texts], dtype=f"S{envs.MESSAGE_LEN}")
+    return torch.from_numpy(raw.view(np.uint8).reshape(len(texts), envs.MESSAGE_LEN)).to(device)
 
 
 def count_normalized(values: torch.Tensor, counts: torch.Tensor, beta: float) -> torch.Tensor:
@@ -59,8 +52,7 @@ def mix(env_reward, paid, args):
 
 
 def unique_rows(rows: np.ndarray):
-    """Distinct rows of a [N, L] uint8 array, the index of each row's distinct one, and how often each
-    occurs; a byte-string sort, ~10x faster than torch.unique(dim=0) on the CPU."""
+    """Distinct rows of [N, L] uint8, each row's index among them, their counts: ~10x torch.unique's speed on CPU."""
     keys = np.ascontiguousarray(rows).view(np.dtype((np.void, rows.shape[1]))).ravel()
     unique, inverse, counts = np.unique(keys, return_inverse=True, return_counts=True)
     return unique.view(np.uint8).reshape(len(unique), rows.shape[1]), inverse.ravel(), counts
@@ -68,9 +60,8 @@ def unique_rows(rows: np.ndarray):
 
 def outputs(model, texts, device):
     """The model's outputs for texts, each distinct message encoded once (minibatches repeat them)."""
-    unique = list(dict.fromkeys(texts))
-    index = {t: i for i, t in enumerate(unique)}
-    return model(to_rows(unique, device))[torch.tensor([index[t] for t in texts], device=device)]
+    index = {t: i for i, t in enumerate(dict.fromkeys(texts))}
+    return model(to_rows(list(index), device))[torch.tensor([index[t] for t in texts], device=device)]
 
 
 class MessageEncoder(nn.Module):
@@ -83,37 +74,17 @@ class MessageEncoder(nn.Module):
             nn.Conv1d(32, c, 7), nn.ReLU(), nn.MaxPool1d(3),
             nn.Conv1d(c, c, 7), nn.ReLU(), nn.MaxPool1d(3),
             nn.Conv1d(c, c, 3), nn.ReLU(), nn.Conv1d(c, c, 3), nn.ReLU(),
-            nn.Conv1d(c, c, 3), nn.ReLU(), nn.Conv1d(c, c, 3), nn.ReLU(), nn.MaxPool1d(3),
-            nn.Flatten())
+            nn.Conv1d(c, c, 3), nn.ReLU(), nn.Conv1d(c, c, 3), nn.ReLU(), nn.MaxPool1d(3), nn.Flatten())
         self.out = nn.Linear(c * 5, 128)  # 256 -> 250 -> 83 -> 77 -> 25 -> 17 -> 5 positions
 
     def forward(self, rows):
         return F.relu(self.out(self.convs(self.embed(rows.long()).transpose(1, 2))))
 
 
-class RewardModel(nn.Module):
-    """The encoder and an MLP head: the classifier's 2 logits or the ranking model's reward."""
-
-    def __init__(self, head):
-        super().__init__()
-        self.encoder, self.head = MessageEncoder(), head
-
-    def forward(self, rows):
-        return self.head(self.encoder(rows))
-
-
-def bradley_terry_loss(first, second, preference):
-    """Cross-entropy of softmax([first, second]) (the two messages' rewards) against [p, 1 - p], p =
-    preference: p(the first is the better one), 0.5 for a tie."""
-    target = torch.stack([preference, 1 - preference], dim=1)
-    return -(target * torch.log_softmax(torch.stack([first, second], dim=1), dim=1)).sum(1).mean()
-
-
 class RankingNorm:
-    """Ranking rewards as z-scores of a reward model over the messages of recent steps (weighted by
-    steps, the empty message excluded): R = z above the step median, else 0, clipped to +-RANKING_CLIP.
-    Nothing is paid before a fit, nor while the model's outputs over those messages span less than
-    MIN_SPREAD: a z-score would turn its noise into rewards."""
+    """Ranking rewards as z-scores over the messages of recent steps (weighted by steps, the empty message
+    excluded): R = z above the step median, else 0, clipped to +-RANKING_CLIP. Nothing is paid before a fit,
+    nor while the outputs over those messages span less than MIN_SPREAD: a z-score would turn noise into rewards."""
 
     def __init__(self, mean=None, std=None, median=None):
         self.mean, self.std, self.median = mean, std, median
@@ -144,9 +115,6 @@ class NoReward:
         self.args, self.device = args, device
         self.labels, self.pairs = {}, []  # caption -> 1.0 / 0.0; (first, second, p(first is better))
 
-    def score(self, rows, texts) -> torch.Tensor:
-        return torch.zeros(len(texts), device=self.device)
-
     def add_labels(self, records):
         for record in records:
             if "pair" in record:
@@ -154,6 +122,7 @@ class NoReward:
             elif record["label"] is not None:
                 self.labels[record["caption"]] = float(record["label"])
 
+    def score(self, rows, texts) -> torch.Tensor: return torch.zeros(len(texts), device=self.device)
     def see(self, texts, steps): pass  # the non-empty messages of a learner batch, and their steps
     def start(self, share=TRAIN_SHARE): pass
     def close(self): pass
@@ -166,8 +135,7 @@ class Retrieval(NoReward):
     """ONI-Retrieval: R = the LLM's label of the message (1 helpful, 0 not), 0 while unlabelled."""
     asks = "captions"
 
-    def score(self, rows, texts):
-        return torch.tensor([self.labels.get(t, 0.0) for t in texts], device=self.device)
+    def score(self, rows, texts): return torch.tensor([self.labels.get(t, 0.0) for t in texts], device=self.device)
 
 
 class Ellm(NoReward):
@@ -189,14 +157,14 @@ class Ellm(NoReward):
 
 
 class TrainedModel(NoReward):
-    """A reward model trained by a thread of its own, within a share of wall time, off the policy
-    update's path. After each burst it publishes a frozen copy with what scoring needs (the ranking
-    statistics of that copy) as one object: the learner never waits, nor mixes new weights and old statistics."""
+    """A reward model trained by a thread of its own within a share of wall time, off the policy update's path; each
+    burst publishes a frozen copy and its statistics as one object: the learner never waits, nor mixes the two."""
     scoring_keys = ()  # what score() needs besides the weights: published and checkpointed with them
 
-    def __init__(self, args, device, model):
+    def __init__(self, args, device, head):  # head: the classifier's 2 logits or the ranking model's reward
         super().__init__(args, device)
-        self.model, self.optimizer = model.to(device), torch.optim.Adam(model.parameters(), lr=1e-4)
+        self.model = nn.Sequential(collections.OrderedDict(encoder=MessageEncoder(), head=head)).to(device)
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=1e-4)
         self.rng, self.lock, self.stop = random.Random(args.seed), threading.Lock(), threading.Event()
         self.recent = collections.deque(maxlen=RECENT_BATCHES)  # {message: steps} of recent batches
         self.new_labels = self.batches = self.model_steps = 0
@@ -213,18 +181,15 @@ class TrainedModel(NoReward):
             self.batches += 1
             self.recent.append(dict(zip(texts, steps.tolist())))
 
-    def ready(self):
-        return len(self.data) > 0
+    def ready(self): return len(self.data) > 0
 
     @torch.no_grad()
-    def score(self, rows, texts):
-        if (published := self.published) is None:  # untrained: no reward (the reference used its random init)
-            return torch.zeros(len(texts), device=self.device)
-        return self.reward(published, rows)
+    def score(self, rows, texts):  # untrained: no reward (the reference used its random init)
+        return super().score(rows, texts) if (published := self.published) is None else self.reward(published, rows)
 
-    def train_now(self, steps=None, batch_size=256, pause=lambda seconds: None) -> int:
-        """A burst and its publication (what the thread repeats; tests run it inline), pause(seconds spent)
-        after each part; the steps, unless given, by the reference's schedule (SMALL_SET). Returns them."""
+    def train_now(self, steps=None, batch_size=256, share=1.0) -> int:
+        """A burst and its publication (what the thread repeats; tests run it inline), resting after each step so
+        that training takes at most `share` of wall time; the steps, unless given, by the reference's schedule."""
         if steps is None:
             with self.lock:
                 if self.ready():
@@ -244,26 +209,22 @@ class TrainedModel(NoReward):
             self.model_steps, self.loss = self.model_steps + 1, loss.item()
             if self.model_steps - first == steps:  # the burst is done
                 self.publish()
-            pause(time.perf_counter() - started)
+            self.busy_s += (spent := time.perf_counter() - started)
+            self.stop.wait(spent * (1 / share - 1))  # the budget: rest so that training takes at most `share`
         return self.model_steps - first
 
-    def publish(self, **scoring):
-        """For score() and the checkpoint: frozen copies, and what scoring needs (of that copy, unless given)."""
+    def publish(self, **scoring):  # frozen copies for score() and the checkpoint, with their statistics unless given
         model = copy.deepcopy(self.model).eval().requires_grad_(False)
         self.published = {"model": model, "model_steps": self.model_steps,
                           "optimizer": copy.deepcopy(self.optimizer.state_dict()), **(scoring or self.scoring(model))}
 
     def start(self, share=TRAIN_SHARE):
-        def pause(seconds):  # the budget: rest so that training takes at most `share` of wall time
-            self.busy_s += seconds
-            self.stop.wait(seconds * (1 / share - 1))
-
         def train():
             # half the learner's threads: two OpenMP teams as wide as the machine spin against each other
             torch.set_num_threads(max(1, torch.get_num_threads() // 2))  # (a step took 3 s, not 0.2, on 2 cores)
             try:
                 while not self.stop.is_set():
-                    if not self.train_now(pause=pause):
+                    if not self.train_now(share=share):
                         self.stop.wait(0.1)  # nothing due: look again soon
             except BaseException as error:  # raised in the learner
                 self.error = error
@@ -285,8 +246,7 @@ class TrainedModel(NoReward):
     def state_dict(self) -> dict:  # as published (read once): the weights, optimizer and statistics of one moment
         return dict(published, model=published["model"].state_dict()) if (published := self.published) else {}
 
-    def load_state_dict(self, state):
-        """Before start(). The labels given back before this are not new: the model has seen them."""
+    def load_state_dict(self, state):  # before start(), after the run's labels came back: not new, the model saw them
         self.new_labels = self.batches = 0
         if state.get("model_steps"):
             self.model.load_state_dict(state["model"])
@@ -300,12 +260,9 @@ class Classification(TrainedModel):
     asks, scoring_keys = "captions", ("fitted",)
 
     def __init__(self, args, device):
-        super().__init__(args, device, RewardModel(nn.Sequential(
-            nn.Linear(128, 512), nn.ReLU(), nn.Dropout(0.1), nn.Linear(512, 512), nn.ReLU(), nn.Dropout(0.1), nn.Linear(512, 2))))
+        super().__init__(args, device, nn.Sequential(
+            nn.Linear(128, 512), nn.ReLU(), nn.Dropout(0.1), nn.Linear(512, 512), nn.ReLU(), nn.Dropout(0.1), nn.Linear(512, 2)))
         self.data, self.fitted = self.labels, False
-
-    def ready(self):  # a boundary needs both classes among the labels
-        return {0.0, 1.0} <= set(self.labels.values())
 
     def reward(self, published, rows):
         return (published["model"](rows).softmax(-1)[:, 1] > 0.5).float() * published["fitted"]
@@ -320,8 +277,8 @@ class Classification(TrainedModel):
         self.fitted = all((labels == c).any() and hits[labels == c].float().mean() >= FIT_RECALL for c in (0, 1))
         return F.cross_entropy(logits, labels, weight=torch.stack([0.5 / (1 - share), 0.5 / share]))
 
-    def scoring(self, model):
-        return {"fitted": self.fitted}
+    def ready(self): return {0.0, 1.0} <= set(self.labels.values())  # a boundary needs both classes among the labels
+    def scoring(self, model): return {"fitted": self.fitted}
 
 
 class Ranking(TrainedModel):
@@ -329,8 +286,8 @@ class Ranking(TrainedModel):
     asks, scoring_keys = "pairs", ("norm",)
 
     def __init__(self, args, device):
-        super().__init__(args, device, RewardModel(nn.Sequential(
-            nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 1), nn.Flatten(0))))
+        super().__init__(args, device, nn.Sequential(
+            nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 1), nn.Flatten(0)))
         self.data = self.pairs
 
     def reward(self, published, rows):
@@ -341,20 +298,18 @@ class Ranking(TrainedModel):
         with self.lock:
             items = self.rng.choices(self.pairs, k=batch_size)
         rewards = outputs(self.model.train(), [p[0] for p in items] + [p[1] for p in items], self.device)
-        preference = torch.tensor([p[2] for p in items], device=self.device)
-        return bradley_terry_loss(rewards[:batch_size], rewards[batch_size:], preference)
+        preference = torch.tensor([p[2] for p in items], device=self.device)  # p(the first is better), 0.5 a tie
+        log_p = torch.log_softmax(torch.stack([rewards[:batch_size], rewards[batch_size:]], dim=1), dim=1)
+        return -(torch.stack([preference, 1 - preference], dim=1) * log_p).sum(1).mean()  # Bradley-Terry
 
     @torch.no_grad()
-    def scoring(self, model):
-        steps = self.weighted_messages()
+    def scoring(self, model):  # the statistics over the messages of recent steps, weighted by steps
+        with self.lock:
+            steps = sum(map(collections.Counter, self.recent), collections.Counter())
         norm = RankingNorm()
         if steps:
             norm.fit(outputs(model, list(steps), self.device), torch.tensor(list(steps.values()), device=self.device))
         return {"norm": vars(norm)}
-
-    def weighted_messages(self) -> collections.Counter:  # the messages of recent steps, weighted by steps
-        with self.lock:
-            return sum(map(collections.Counter, self.recent), collections.Counter())
 
 
 class Motif(Ranking):
@@ -364,17 +319,14 @@ class Motif(Ranking):
 
     def __init__(self, args, device):
         super().__init__(args, device)
-        if args.labels_from:
-            super().add_labels(annotator.read_labels(args.labels_from))
+        super().add_labels(annotator.read_labels(args.labels_from) if args.labels_from else [])
         if not self.pairs:
             raise SystemExit("error: --reward-type motif needs --labels-from FILE with annotated pairs")
+        self.recent.append(collections.Counter(t for p in self.pairs for t in p[:2] if t))  # what scoring() reads
         self.train_now(max(300, 10 * len(self.pairs) // 256))
         if self.published["norm"]["mean"] is None and not args.raw_ranking:
             raise SystemExit(f"error: the reward model trained on {args.labels_from} does not tell its "
                              f"messages apart (outputs span < {MIN_SPREAD}): it would pay nothing; give it more pairs")
-
-    def weighted_messages(self):
-        return collections.Counter(t for p in self.pairs for t in p[:2] if t)
 
     def ready(self): return False  # frozen: no training is ever due
     def add_labels(self, records): pass
@@ -383,15 +335,14 @@ class Motif(Ranking):
 
 PIECES = {"none": NoReward, "retrieval": Retrieval, "classification": Classification, "ranking": Ranking,
           "ellm": Ellm, "motif": Motif}
+REWARD_TYPES, NEEDS_LLM = tuple(PIECES), tuple(name for name, piece in PIECES.items() if piece.asks)
 
 
 class IntrinsicReward:
-    """R from the piece of args.reward_type, and what all types share: distinct messages per batch,
-    count normalization, the mix, statistics, what to ask the LLM, messages.tsv, the checkpoint."""
+    """All reward types: the piece's R per distinct message, count normalization, the mix, what to ask, messages.tsv."""
 
     def __init__(self, args, device):
         self.args, self.device, self.piece = args, device, PIECES[args.reward_type](args, device)
-        # the piece's trainer thread (classification, ranking): start(share=TRAIN_SHARE), close(), its figures
         self.start, self.close, self.train_stats = self.piece.start, self.piece.close, self.piece.train_stats
         self.rng = random.Random(f"label requests {args.seed}")  # pairs to ask, the order of retries
         self.asked: dict[str, float] = {}  # captions asked and not yet answered -> when last asked
@@ -401,8 +352,7 @@ class IntrinsicReward:
         if args.labels_from and self.piece.asks:  # a head start (Motif trains on them itself)
             self.add_labels(annotator.read_labels(args.labels_from))
 
-    def add_labels(self, records):
-        """Label intake: the LLM's new answers, --labels-from, or on resume the run's labels.jsonl."""
+    def add_labels(self, records):  # the LLM's new answers, --labels-from, or on resume the run's labels.jsonl
         for record in records:
             if "caption" in record and self.piece.asks == "captions":
                 if record["label"] is None:  # unparseable twice: asked again after RETRY_S
@@ -411,14 +361,12 @@ class IntrinsicReward:
                     self.asked.pop(record["caption"], None)
         self.piece.add_labels(records)
 
-    def known_keys(self) -> set[str]:
-        """Captions answered and pairs compared: what the annotator need not ask again."""
+    def known_keys(self) -> set[str]:  # captions answered and pairs compared: what the annotator need not ask again
         return set(self.piece.labels) | {annotator.pair_key(a, b) for a, b, _ in self.piece.pairs}
 
     def rewards(self, env_reward, messages, counts, terminal):
-        """env_reward, counts, terminal (the step ended its episode): [T, B]; messages: [T, B, 256]
-        uint8 on the CPU, each step's own message. Returns the mixed rewards, R / N^beta of each step
-        (the intrinsic reward before c_int) and statistics."""
+        """env_reward, counts, terminal (the step ended its episode): [T, B]; messages: [T, B, 256] uint8 on the
+        CPU, each step's own message. Returns the mixed rewards, R / N^beta of each step and statistics."""
         if self.piece.error is not None:
             raise RuntimeError("the reward model's trainer failed") from self.piece.error
         rows, inverse, steps = unique_rows(messages.flatten(0, 1).cpu().numpy())
@@ -427,9 +375,15 @@ class IntrinsicReward:
         values = self.piece.score(torch.from_numpy(rows).to(self.device), texts) * torch.from_numpy(nonempty).to(self.device)
         paid = count_normalized(values[torch.from_numpy(inverse).to(self.device)].view(env_reward.shape),
                                 counts, self.args.count_beta)
-        kept = np.flatnonzero(nonempty).tolist()
-        self.piece.see([texts[i] for i in kept], steps[kept])
-        self.collect_requests(texts, nonempty, inverse)
+        self.piece.see([t for t, keep in zip(texts, nonempty) if keep], steps[nonempty])
+        if self.piece.asks == "captions":  # new captions to ask
+            new = [t for t, keep in zip(texts, nonempty) if keep and t not in self.piece.labels and t not in self.asked]
+            self.asked.update(dict.fromkeys(new, time.time()))
+            self.to_ask += new
+        elif self.piece.asks == "pairs":  # every 10th step's message to the pair pool: frequent ones compared more
+            for text in [texts[i] for i in inverse[(-self.steps_seen) % PAIR_POOL_EVERY::PAIR_POOL_EVERY] if nonempty[i]]:
+                self.add_to_pool(text)
+            self.steps_seen, self.batches_to_pair = self.steps_seen + len(inverse), self.batches_to_pair + 1
         paid_per_message = np.bincount(inverse, weights=paid.flatten().cpu().numpy(), minlength=len(texts))
         for text, n, total in zip(texts, steps.tolist(), paid_per_message.tolist()):  # for messages.tsv
             seen = self.seen.setdefault(text, [0, 0.0])
@@ -440,17 +394,13 @@ class IntrinsicReward:
             stats["terminal_step_reward"] = paid[terminal].mean().item()
         return mix(env_reward, paid, self.args), paid, stats
 
-    def collect_requests(self, texts, nonempty, inverse):
-        """New captions to ask; every 10th step's message to ranking's pair pool (frequent ones compared more)."""
-        if self.piece.asks == "captions":
-            new = [t for t, keep in zip(texts, nonempty) if keep and t not in self.piece.labels and t not in self.asked]
-            self.asked.update(dict.fromkeys(new, time.time()))
-            self.to_ask += new
-        elif self.piece.asks == "pairs":
-            for i in inverse[(-self.steps_seen) % PAIR_POOL_EVERY::PAIR_POOL_EVERY].tolist():
-                if nonempty[i]:
-                    self.add_to_pool(texts[i])
-            self.steps_seen, self.batches_to_pair = self.steps_seen + len(inverse), self.batches_to_pair + 1
+    def add_to_pool(self, text):
+        """Reservoir sampling: the bounded pool stays a uniform sample of every step offered."""
+        self.pool_offers += 1
+        if len(self.pair_pool) < PAIR_POOL_SIZE:
+            self.pair_pool.append(text)
+        elif (j := self.rng.randrange(self.pool_offers)) < PAIR_POOL_SIZE:
+            self.pair_pool[j] = text
 
     def label_requests(self) -> tuple[list[str], list[tuple[str, str]]]:
         """What to ask the LLM now: captions new since the last call and those unanswered for RETRY_S (a full
@@ -461,25 +411,14 @@ class IntrinsicReward:
             self.rng.shuffle(again)  # a full backlog drops the oldest: let a different part survive each time
             self.asked.update(dict.fromkeys(again, now))
             captions, self.last_retry = captions + again, now
-        pairs = [tuple(self.rng.sample(self.pair_pool, 2)) for _ in range(PAIRS_PER_BATCH * self.batches_to_pair)
-                 if len(self.pair_pool) >= 2]
-        self.batches_to_pair = 0
-        return captions, pairs
-
-    def add_to_pool(self, text):
-        """Reservoir sampling: the bounded pool stays a uniform sample of every step offered."""
-        self.pool_offers += 1
-        if len(self.pair_pool) < PAIR_POOL_SIZE:
-            self.pair_pool.append(text)
-        elif (j := self.rng.randrange(self.pool_offers)) < PAIR_POOL_SIZE:
-            self.pair_pool[j] = text
+        wanted, self.batches_to_pair = PAIRS_PER_BATCH * self.batches_to_pair, 0
+        return captions, [tuple(self.rng.sample(self.pair_pool, 2)) for _ in range(wanted) if len(self.pair_pool) >= 2]
 
     def state_dict(self) -> dict:
         return {"pair_pool": self.pair_pool, "pool_offers": self.pool_offers, "steps_seen": self.steps_seen,
                 "rng": self.rng.getstate(), "seen": self.seen, **self.piece.state_dict()}
 
     def load_state_dict(self, state):
-        """After the run's labels were given back with add_labels: they do not count as new."""
         if state:
             self.pair_pool, self.pool_offers, self.steps_seen = state["pair_pool"], state["pool_offers"], state["steps_seen"]
             self.rng.setstate(state["rng"])
@@ -487,8 +426,7 @@ class IntrinsicReward:
             self.piece.load_state_dict(state)
 
     def write_messages(self, path):
-        """messages.tsv: every message the learner saw, most paid first: the steps it was seen on, its LLM
-        label (retrieval, classification), R now, and the intrinsic reward R / N^beta it paid in all."""
+        """messages.tsv: every message seen, most paid first: its steps, LLM label, R now and R / N^beta paid in all."""
         texts = sorted(self.seen, key=lambda t: (-self.seen[t][1], -self.seen[t][0], t))
         chunks = [texts[i:i + 4096] for i in range(0, len(texts), 4096)]
         values = [v for chunk in chunks for v in self.piece.score(to_rows(chunk, self.device), chunk).tolist()]

@@ -1,17 +1,15 @@
-"""The annotator: a subprocess that asks an OpenAI-compatible LLM server about the agent's messages.
+"""The annotator: a subprocess that asks OpenAI-compatible LLM servers about the agent's messages.
 
-The learner puts captions (and, for Ranking, pairs of captions) on a queue; the annotator keeps a
-bounded backlog, newest first, several requests in flight, timeouts and retries with backoff, and
-writes each label into a `multiprocessing.Manager` dict (plus an append-only log the learner reads
-incrementally) and into `labels.jsonl` in the run dir. A server that is down, slow or dies never
-blocks training: its captions wait in the backlog until it answers again. An error that retrying
-cannot fix stops the annotator and, through `LabelClient.check()`, the run.
+The learner puts captions (and, for Ranking, pairs) on a queue; the annotator keeps a bounded backlog,
+newest first, `--llm-concurrency` requests in flight over the `--llm-url` servers, timeouts and retries
+with backoff, and writes each answer to `labels.jsonl` and to a LabelTable, a dict in a
+`multiprocessing.Manager` that the learner reads in bulk, incrementally. A server that is down, slow or
+dies never blocks training; an error that retrying cannot fix stops the run through `LabelClient.check()`.
 """
 import collections
 import concurrent.futures
-import itertools
+import contextlib
 import json
-import multiprocessing
 import multiprocessing.managers
 import os
 import queue
@@ -19,23 +17,23 @@ import re
 import signal
 import sys
 import time
+import urllib.error
 import urllib.request
 
 import llm_server
 
 LABELS_FILE = "labels.jsonl"
 MAX_BACKLOG = 10_000
-CONCURRENCY = 4  # llama.cpp takes one prompt a request; vLLM batches concurrent requests itself
+URL_CONCURRENCY = 64  # requests in flight to --llm-url servers: vLLM batches concurrent requests itself
+EMBEDDED_CONCURRENCY = 2  # llama.cpp answers one at a time: a second request only hides the round trip
 TIMEOUT_S = 60.0
 MAX_BACKOFF_S = 30.0
 TOKENIZE_BACKOFF_S = (0.5, 1.0, 2.0)  # start-up retries of the server's tokenize endpoint
 CHECK_EVERY_S, MAX_RESTARTS = 5.0, 5  # LabelClient.check(): how often it reads the stats; restarts
 UNPARSEABLE = object()
 
-# ---------------------------------------------------------------------------------------------
-# Prompts. Chat prompts ask an instruct model to reason first, as the paper does; completion
-# prompts give a base model (the embedded default) worked examples and read the next token.
-# ---------------------------------------------------------------------------------------------
+# --- Prompts. Chat prompts ask an instruct model to reason first, as the paper does; completion
+# prompts give a base model (the embedded default) worked examples and read the next token. ---
 GOAL = "maximize the score: kill monsters, collect gold, go down the stairs, gain experience levels"
 PROMPTS = {
     "label_system": "You are a fair and knowledgeable judge of progress in the game NetHack.",
@@ -57,12 +55,9 @@ PROMPTS = {
     "label_completion": (
         "NetHack messages, and whether each one reports progress (killing monsters, gold, "
         "descending, levelling up, finding things):\n"
-        "Message: You kill the gecko!\nProgress: Yes\n"
-        "Message: You hear a door open.\nProgress: No\n"
-        "Message: You see here 8 gold pieces.\nProgress: Yes\n"
-        "Message: The gecko bites!\nProgress: No\n"
-        "Message: Welcome to experience level 3.\nProgress: Yes\n"
-        "Message: You miss the gecko.\nProgress: No\n"
+        "Message: You kill the gecko!\nProgress: Yes\n" "Message: You hear a door open.\nProgress: No\n"
+        "Message: You see here 8 gold pieces.\nProgress: Yes\n" "Message: The gecko bites!\nProgress: No\n"
+        "Message: Welcome to experience level 3.\nProgress: Yes\n" "Message: You miss the gecko.\nProgress: No\n"
         "Message: You have a little trouble lifting the boulder.\nProgress: No\n"
         "Message: {caption}\nProgress:"),
 }
@@ -80,12 +75,9 @@ def parse_label(text: str):
 
 
 def parse_preference(text: str):
-    """1, 2, or None (a tie) from the last best_description answer (a reply may restate the
-    format before it answers), else UNPARSEABLE."""
+    """1, 2 or None (a tie) from the last best_description (a reply may restate the format first), else UNPARSEABLE."""
     answers = PREFERENCE.findall(text or "")
-    if not answers:
-        return UNPARSEABLE
-    return None if answers[-1].lower() == "none" else int(answers[-1])
+    return UNPARSEABLE if not answers else None if answers[-1].lower() == "none" else int(answers[-1])
 
 
 def parse_choice(text: str, options: dict):
@@ -127,14 +119,16 @@ class Fatal(Exception):
 
 
 def fatal_reason(error):
-    """One line saying why retrying cannot help, else None: down, slow, 5xx, 408 and 429 are retried;
-    any other 4xx (no such model, a request the backend rejects) is fatal."""
-    status = getattr(error, "status_code", None)
-    if isinstance(error, Fatal) or status is None or status >= 500 or status in (408, 429):
+    """Why retrying cannot help, else None: down, slow, 5xx, 408, 429 are retried; any other 4xx is fatal."""
+    if not isinstance(error, urllib.error.HTTPError) or error.code >= 500 or error.code in (408, 429):
         return str(error) if isinstance(error, Fatal) else None
-    body = getattr(error, "body", None)  # the openai client keeps the server's error object here
-    detail = body.get("message", body) if isinstance(body, dict) else body or error
-    return " ".join(f"HTTP {status} from {error.request.url}: {detail}".split())[:500]
+    try:  # the server's error object: OpenAI's {"error": {"message": ...}}, vLLM's {"message": ...}
+        body = json.loads(error.read())
+        body = body.get("error", body) if isinstance(body, dict) else body
+        detail = body.get("message", body) if isinstance(body, dict) else body
+    except ValueError:
+        detail = error.reason
+    return " ".join(f"HTTP {error.code} from {error.url}: {detail}".split())[:500]
 
 
 def fill(prompts, name, **fields):
@@ -144,170 +138,179 @@ def fill(prompts, name, **fields):
         raise Fatal(f"prompt template {name!r}: {type(error).__name__}: {error}") from None
 
 
-def prompt_style(model: str, prompts: dict) -> str:
-    if "style" in prompts:
-        return prompts["style"]
-    name = model.lower()
-    return "chat" if any(k in name for k in ("instruct", "chat", "-it")) else "completion"
-
-
-# ---------------------------------------------------------------------------------------------
-# One request
-# ---------------------------------------------------------------------------------------------
+# --- One request ----------------------------------------------------------------------------------
 class Labeler:
     """Turns one caption or pair into a label with one HTTP request to one of the servers."""
 
     def __init__(self, urls, model, prompts, timeout_s):
-        from openai import OpenAI
-        self.clients = [OpenAI(base_url=u, api_key="none", timeout=timeout_s, max_retries=0) for u in urls]
-        self.next_client = itertools.cycle(range(len(urls)))
-        self.model, self.prompts = model, prompts
+        self.urls, self.timeout_s = [u.rstrip("/") for u in urls], timeout_s
+        self.model, self.prompts, self.style = model, prompts, None  # style: set once the model is known
         self.labels = {}  # completion style: labels of single messages, reused across pairs
 
-    def client(self):
-        return self.clients[next(self.next_client)]
+    def call(self, url, body=None, timeout_s=None):
+        """The JSON answer to a POST of `body` (a GET without one). Plain urllib: the openai package
+        costs ~5x the CPU a request, and the annotator's one core bounds the labels a second."""
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=timeout_s or self.timeout_s) as response:
+            return json.load(response)
 
-    def resolve_model(self):
-        if self.model is None:
-            self.model = self.client().models.list().data[0].id
-        self.style = prompt_style(self.model, self.prompts)
-        if self.style == "completion":
+    def resolve_model(self, server=0):
+        self.model = self.model or self.call(self.urls[server] + "/models")["data"][0]["id"]
+        chat = any(k in self.model.lower() for k in ("instruct", "chat", "-it"))  # else a base model
+        style = self.prompts.get("style", "chat" if chat else "completion")
+        if style == "completion":
             for wait_s in (0, *TOKENIZE_BACKOFF_S):
                 time.sleep(wait_s)
-                self.token_ids = {w: self.token_id(w) for w in (" Yes", " No")}
+                self.token_ids = {w: self.token_id(w, server) for w in (" Yes", " No")}
                 if None not in self.token_ids.values():
                     break
             self.restricted = None not in self.token_ids.values()
             if not self.restricted:
                 print("annotator: the server did not tokenize ' Yes'/' No': answers are not restricted to them",
                       file=sys.stderr, flush=True)
+        self.style = style
         return self.model
 
-    def token_id(self, word):
-        """The server's token for `word`, to restrict and bias the next token (llama.cpp's
-        /extras/tokenize or vLLM's /tokenize); None if the server cannot say."""
-        root = str(self.clients[0].base_url).rstrip("/").removesuffix("/v1")
+    def token_id(self, word, server):
+        """The server's token for `word` (llama.cpp's /extras/tokenize, vLLM's /tokenize), else None."""
+        root = self.urls[server].removesuffix("/v1")
         for path, body in (("/extras/tokenize", {"input": word}), ("/tokenize", {"model": self.model, "prompt": word})):
             try:
-                request = urllib.request.Request(root + path, data=json.dumps(body).encode(),
-                                                 headers={"Content-Type": "application/json"})
-                with urllib.request.urlopen(request, timeout=10) as response:
-                    tokens = json.load(response)["tokens"]
+                tokens = self.call(root + path, body, timeout_s=10)["tokens"]
                 return tokens[-1] if len(tokens) <= 2 else None  # [BOS,] token; else no single token
             except Exception:
                 continue
         return None
 
-    def complete(self, prompt, options: dict, bias: dict):
-        """One greedy token restricted to the options' tokens where the server can: the favourite
-        gets a logit bias of 100, the most every backend accepts; the others that less their bias."""
+    def complete(self, prompt, options: dict, bias: dict, server):
+        """One greedy token restricted to the options' tokens where the server can: the favourite gets
+        a logit bias of 100, the most every backend accepts; the others that less their bias."""
         ids, logit_bias = {w: self.token_ids.get(w) for w in options}, None
         if None not in ids.values():
             top = max(bias.get(w, 0.0) for w in options)
             logit_bias = {str(i): 100.0 - top + bias.get(w, 0.0) for w, i in ids.items()}
             if not all(-100.0 <= b <= 100.0 for b in logit_bias.values()):  # a backend would clamp it
                 raise Fatal(f"logit biases {logit_bias} are outside [-100, 100]")
-        answer = self.client().completions.create(model=self.model, prompt=prompt, max_tokens=1,
-                                                  temperature=0.0, logit_bias=logit_bias)
-        return parse_choice(answer.choices[0].text, {w.strip().lower(): v for w, v in options.items()})
+        answer = self.call(self.urls[server] + "/completions", {"model": self.model, "prompt": prompt, "max_tokens": 1,
+                                                                "temperature": 0.0, "logit_bias": logit_bias})
+        return parse_choice(answer["choices"][0]["text"], {w.strip().lower(): v for w, v in options.items()})
 
-    def ask(self, item):
-        """item: a caption (str) or a (first, second) pair. Returns the parsed answer."""
+    def ask(self, item, server=0):
+        """The parsed answer about a caption (str) or a (first, second) pair from server number `server`."""
         p, is_pair = self.prompts, isinstance(item, tuple)
         fields = {"first": item[0], "second": item[1]} if is_pair else {"caption": item}
         if self.style == "chat":
             kind = "pair" if is_pair else "label"
-            answer = self.client().chat.completions.create(
-                model=self.model, temperature=0.1, max_tokens=512,
-                messages=[{"role": "system", "content": p[f"{kind}_system"]},
-                          {"role": "user", "content": fill(p, f"{kind}_user", **fields)}])
-            text = answer.choices[0].message.content
+            answer = self.call(self.urls[server] + "/chat/completions", {
+                "model": self.model, "temperature": 0.1, "max_tokens": 512,
+                "messages": [{"role": "system", "content": p[f"{kind}_system"]},
+                             {"role": "user", "content": fill(p, f"{kind}_user", **fields)}]})
+            text = answer["choices"][0]["message"]["content"]
             return parse_preference(text) if is_pair else parse_label(text)
         if not is_pair:
             return self.complete(fill(p, "label_completion", **fields), {" Yes": 1, " No": 0},
-                                 {" No": BIAS_TOWARDS_NO})
+                                 {" No": BIAS_TOWARDS_NO}, server)
         # A small base model cannot compare two messages (the 270M default answers by position,
         # not content): a pair's preference comes from the two messages' own labels.
-        first, second = (self.labels.get(m) if m in self.labels else self.ask(m) for m in item)
+        first, second = (self.labels.get(m) if m in self.labels else self.ask(m, server) for m in item)
         if UNPARSEABLE in (first, second):
             return UNPARSEABLE
         self.labels.update({item[0]: first, item[1]: second})
         return None if first == second else 1 if first > second else 2
 
 
-# ---------------------------------------------------------------------------------------------
-# The subprocess
-# ---------------------------------------------------------------------------------------------
-def serve(urls, model, prompts, requests, labels, log, stats, stop, run_dir, known, timeout_s=TIMEOUT_S):
-    """Main loop of the annotator process."""
+# --- The label table and the annotator process ----------------------------------------------------
+class LabelTable(dict):
+    """The one label channel, in the Manager's process: key (caption or pair_key) -> its latest record,
+    and every record in the order written (a caption asked again appears again), for the learner to
+    read what is new since its cursor in one round trip. It outlives a restarted annotator."""
+
+    def __init__(self):
+        super().__init__()
+        self.written = []
+
+    def put(self, entries):  # [(key, record)]: one turn of the annotator's loop, one round trip
+        for key, record in entries:
+            self[key] = record
+            self.written.append(record)
+
+    def since(self, cursor: int):
+        """(the records written after the first `cursor` ones, the new cursor)"""
+        return self.written[cursor:], len(self.written)
+
+    def settled(self) -> list:  # not to be asked again: pairs (a tie is an answer), captions with a label
+        return [key for key, record in self.items() if record.get("label", 0) is not None]
+
+
+class Manager(multiprocessing.managers.SyncManager):
+    """A SyncManager that also serves LabelTables."""
+
+
+Manager.register("LabelTable", LabelTable, exposed=("put", "since", "settled"))
+
+
+def item_key(item) -> str:  # the table's key of a caption or a pair
+    return pair_key(*item) if isinstance(item, tuple) else item
+
+
+def serve(*, urls, model, prompts, concurrency, run_dir, known, requests, table, stats, stop, timeout_s=TIMEOUT_S):
+    """The annotator process: `concurrency` requests in flight, each to the least busy server not pausing."""
     labeler = Labeler(urls, model, prompts, timeout_s)
-    backlog, queued = collections.deque(), set()
-    done, attempts, in_flight = set(known), collections.Counter(), {}
-    latencies = collections.deque(maxlen=1000)
-    counts = collections.Counter(stats.copy())  # a restarted annotator goes on counting
-    backoff, resume_at, model_known, fatal = 1.0, 0.0, False, None
-    out = open(os.path.join(run_dir, LABELS_FILE), "a")
-    pool = concurrent.futures.ThreadPoolExecutor(CONCURRENCY)
+    backlog, attempts, in_flight = collections.OrderedDict(), collections.Counter(), {}  # backlog: key -> item
+    done = set(known) | set(table.settled())  # a restarted annotator does not ask again what is answered
+    latencies, counts = collections.deque(maxlen=1000), collections.Counter(stats.copy())  # counts go on
+    pause_s, resume_at = [1.0] * len(urls), [0.0] * len(urls)  # per server: a dead one must not stall the rest
+    fatal, out = None, open(os.path.join(run_dir, LABELS_FILE), "a")
+    pool = concurrent.futures.ThreadPoolExecutor(concurrency)  # a thread per request in flight
 
     def enqueue(item):
-        key = pair_key(*item) if isinstance(item, tuple) else item
-        if not key or key in done or key in queued:
-            return
-        if len(backlog) >= MAX_BACKLOG:
-            oldest = backlog.popleft()
-            queued.discard(pair_key(*oldest) if isinstance(oldest, tuple) else oldest)
-            counts["dropped"] += 1
-        backlog.append(item)
-        queued.add(key)
+        key = item_key(item)
+        if key and key not in done and key not in backlog:
+            if len(backlog) >= MAX_BACKLOG:  # the oldest goes: the learner asks again what stays unlabelled
+                backlog.popitem(last=False)
+                counts["dropped"] += 1
+            backlog[key] = item
 
-    def record(item, answer):
-        if isinstance(item, tuple):
-            key, entry = pair_key(*item), {"pair": list(item), "preference": answer}
-        else:
-            key, entry = item, {"caption": item, "label": answer}
-        if answer is not None or isinstance(item, tuple):  # an unknown label may be asked again later
-            done.add(key)
-        labels[key] = answer
-        log.append(entry)
-        out.write(json.dumps(entry) + "\n")
-        out.flush()
-        counts["labels"] += 1
+    def failed(server, error):  # down, 5xx, timeout: that server pauses, twice as long each time; else fatal
+        nonlocal fatal
+        counts["failures"] += 1
+        resume_at[server], pause_s[server] = time.time() + pause_s[server], min(pause_s[server] * 2, MAX_BACKOFF_S)
+        fatal = fatal or fatal_reason(error)
 
     while not stop.is_set() and not fatal:
         try:
             captions, pairs = requests.get(timeout=0.05)
-            for item in itertools.chain(captions, pairs):
+            for item in [*captions, *pairs]:
                 enqueue(tuple(item) if isinstance(item, (list, tuple)) else item)
         except queue.Empty:
             pass
         now = time.time()
-        if not model_known and now >= resume_at:
+        ready = [s for s in range(len(urls)) if now >= resume_at[s]]
+        if labeler.style is None and ready:
             try:
-                labeler.resolve_model()
-                model_known, backoff = True, 1.0
+                labeler.resolve_model(ready[0])
                 if labeler.style == "completion":
                     counts["answers_restricted"] = int(labeler.restricted)
             except Exception as error:
-                counts["failures"] += 1
-                resume_at, backoff = now + backoff, min(backoff * 2, MAX_BACKOFF_S)
-                fatal = fatal_reason(error)
-        while model_known and backlog and len(in_flight) < CONCURRENCY and now >= resume_at:
-            item = backlog.pop()  # newest first
-            key = pair_key(*item) if isinstance(item, tuple) else item
-            queued.discard(key)
-            in_flight[pool.submit(labeler.ask, item)] = (item, time.time())
+                failed(ready[0], error)
+        busy = collections.Counter(server for _, server, _ in in_flight.values())
+        while labeler.style and ready and backlog and len(in_flight) < concurrency:
+            server = min(ready, key=busy.__getitem__)  # an even spread; a slower server gets fewer
+            busy[server] += 1
+            item = backlog.popitem()[1]  # newest first
+            in_flight[pool.submit(labeler.ask, item, server)] = (item, server, time.time())
+        answered = []
         for future in [f for f in in_flight if f.done()]:
-            item, started = in_flight.pop(future)
+            item, server, started = in_flight.pop(future)
             counts["requests"] += 1
             try:
                 answer = future.result()
-            except Exception as error:  # down, 5xx, timeout: the item waits for the server to come back
-                counts["failures"] += 1
-                resume_at, backoff = time.time() + backoff, min(backoff * 2, MAX_BACKOFF_S)
-                fatal = fatal or fatal_reason(error)
+            except Exception as error:  # the item waits for a server to answer
+                failed(server, error)
                 enqueue(item)
                 continue
-            backoff = 1.0
+            pause_s[server] = 1.0
             latencies.append(time.time() - started)
             if answer is UNPARSEABLE:
                 counts["parse_failures"] += 1
@@ -316,47 +319,53 @@ def serve(urls, model, prompts, requests, labels, log, stats, stop, run_dir, kno
                     enqueue(item)  # once more
                     continue
                 answer = None  # unknown label / a tie
-            record(item, answer)
-        ordered = sorted(latencies)
+            if answer is not None or isinstance(item, tuple):  # an unknown label may be asked again later
+                done.add(item_key(item))
+            answered.append((item_key(item), {"pair": list(item), "preference": answer} if isinstance(item, tuple)
+                             else {"caption": item, "label": answer}))
+        if answered:  # one round trip and one write for all of this turn's answers
+            table.put(answered)
+            out.write("".join(json.dumps(record) + "\n" for _, record in answered))
+            out.flush()
+            counts["labels"] += len(answered)
+        ordered = sorted(latencies) or [0.0]
         stats.update(dict(counts), backlog=len(backlog), in_flight=len(in_flight),
-                     latency_p50=ordered[len(ordered) // 2] if ordered else 0.0,
-                     latency_p95=ordered[int(len(ordered) * 0.95)] if ordered else 0.0)
+                     latency_p50=ordered[len(ordered) // 2], latency_p95=ordered[int(len(ordered) * 0.95)])
     if fatal:
         stats["fatal"] = fatal
     pool.shutdown(wait=False, cancel_futures=True)
     out.close()
 
 
-def _serve_process(*args):
+def _serve_process(**kwargs):
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the learner decides when we stop
-    serve(*args)
+    serve(**kwargs)
 
 
-# ---------------------------------------------------------------------------------------------
-# The learner's side
-# ---------------------------------------------------------------------------------------------
+# --- The learner's side ---------------------------------------------------------------------------
 class LabelClient:
     """Starts the annotator (and the embedded LLM server when no --llm-url is given), sends it
-    requests, reads new labels in bulk from the shared log, and restarts it if it dies."""
+    requests, reads new labels in bulk from the LabelTable, and restarts the annotator if it dies."""
 
     def __init__(self, args):
         self.args, self.server, self.process, self.final_stats = args, None, None, None
-        self.read, self.restarts, self.next_check = 0, 0, 0.0
+        self.records_read, self.restarts, self.next_check = 0, 0, 0.0  # records_read: the table cursor
         self.prompts = dict(PROMPTS)
         if args.prompt_file:
             try:
                 with open(args.prompt_file) as f:
                     self.prompts.update(json.load(f))
+                for name in ("label_user", "pair_user", "label_completion"):  # an error now, not after start-up
+                    fill(self.prompts, name, caption="c", first="a", second="b")
             except (OSError, ValueError) as error:
                 raise SystemExit(f"error: cannot read --prompt-file {args.prompt_file}: {error}")
-            try:  # a template that cannot be filled in is an error now, not after start-up
-                for name in ("label_user", "pair_user", "label_completion"):
-                    fill(self.prompts, name, caption="c", first="a", second="b")
             except Fatal as error:
                 raise SystemExit(f"error: --prompt-file {args.prompt_file}: {error}")
 
     def start(self, run_dir, known):
         self.urls, self.run_dir, self.known = list(self.args.llm_url), run_dir, set(known)
+        self.concurrency = getattr(self.args, "llm_concurrency", None) or (
+            URL_CONCURRENCY if self.urls else EMBEDDED_CONCURRENCY)
         if not self.urls:
             self.server, url = llm_server.start(log_path=os.path.join(run_dir, "llm_server.log"),
                                                 threads=getattr(self.args, "llm_threads", None),
@@ -366,9 +375,9 @@ class LabelClient:
         try:
             self.ctx = multiprocessing.get_context("spawn")
             # the learner decides when everything stops: Ctrl-C must not kill the Manager under it
-            self.manager = multiprocessing.managers.SyncManager(ctx=self.ctx)
+            self.manager = Manager(ctx=self.ctx)
             self.manager.start(signal.signal, (signal.SIGINT, signal.SIG_IGN))
-            self.labels, self.log, self.stats_ = self.manager.dict(), self.manager.list(), self.manager.dict()
+            self.table, self.shared_stats = self.manager.LabelTable(), self.manager.dict()
             self.stop = self.ctx.Event()
             self.launch()
         except BaseException:
@@ -376,19 +385,18 @@ class LabelClient:
             raise
 
     def launch(self):
-        """(Re)starts the annotator on the same Manager objects, with a new queue (a process that died
-        could hold the old one's lock), knowing every label so far."""
+        """(Re)starts the annotator on the same table and stats (a new queue: a dead process may hold its lock)."""
         self.requests = self.ctx.Queue(maxsize=1000)
-        process = self.ctx.Process(target=_serve_process, daemon=True, args=(
-            self.urls, self.args.llm_model, self.prompts, self.requests, self.labels, self.log,
-            self.stats_, self.stop, self.run_dir, self.known | set(self.labels.keys())))
+        process = self.ctx.Process(target=_serve_process, daemon=True, kwargs=dict(
+            urls=self.urls, model=self.args.llm_model, prompts=self.prompts, concurrency=self.concurrency,
+            run_dir=self.run_dir, known=self.known, requests=self.requests, table=self.table,
+            stats=self.shared_stats, stop=self.stop))
         process.start()
         self.process = process  # only once started: close() joins it
 
     def check(self):
-        """Once per learner update, cheap (reads the stats every CHECK_EVERY_S at most). Restarts a
-        dead annotator. A fatal error raises SystemExit, on which the learner saves a checkpoint and
-        stops the run: nothing is lost; fix the cause and --resume."""
+        """Once per learner update, cheap (reads the stats every CHECK_EVERY_S at most): restarts a dead
+        annotator; a fatal error raises SystemExit (the learner saves a checkpoint: fix it, --resume)."""
         alive = self.process is not None and self.process.is_alive()
         if self.process is None or alive and time.time() < self.next_check:
             return
@@ -405,21 +413,19 @@ class LabelClient:
 
     def request(self, captions, pairs):
         if captions or pairs:
-            try:
+            with contextlib.suppress(queue.Full):  # the annotator is far behind: these will come round again
                 self.requests.put_nowait((captions, pairs))
-            except queue.Full:  # the annotator is far behind: these will come round again
-                pass
 
     def new_records(self) -> list[dict]:
-        records = self.log[self.read:]  # one round trip for everything new
-        self.read += len(records)
+        """Every record written since the last call, in order, as in labels.jsonl: one round trip."""
+        records, self.records_read = self.table.since(self.records_read)
         return records
 
     def stats(self) -> dict:
-        if self.final_stats is not None:
-            return self.final_stats
+        if self.final_stats is not None or self.process is None:
+            return self.final_stats or {}
         try:  # copy(): one round trip (dict() of a proxy makes one a key)
-            return {**self.stats_.copy(), "restarts": self.restarts} if self.process is not None else {}
+            return {**self.shared_stats.copy(), "restarts": self.restarts}
         except Exception:  # the manager is gone
             return {}
 

@@ -4,7 +4,8 @@ It judges like a model would: messages that mention killing or gold are helpful.
 model (the default), it answers /completions with " Yes"/" No"; named like an instruct model
 ("fake-instruct"), /chat/completions with some reasoning, then a <label> tag or a best_description.
 Like vLLM, it serves /tokenize, answers 404 for a model it does not have, and like OpenAI it rejects
-(400) logit biases outside [-100, 100]. It records every call in `calls`."""
+(400) logit biases outside [-100, 100]. It records every call in `calls`; `delay` is a fixed latency
+of every (chat) completion, and `max_active` the most of them it answered at once."""
 import json
 import re
 import threading
@@ -18,12 +19,18 @@ def good(text):
     return "kill" in text or "gold" in text
 
 
+class Server(ThreadingHTTPServer):
+    request_queue_size = 256  # many requests in flight connect at once
+    daemon_threads = True
+
+
 class FakeOpenAI:
     def __init__(self, port=0, model="fake-base"):
         self.port, self.server, self.model = port, None, model
         self.mode, self.delay, self.fail_next, self.fail_status = "ok", 0.0, 0, 500
         self.tokenize_fails = 0  # the next this many /tokenize calls get HTTP 500
         self.requests, self.calls = 0, []  # requests: (chat) completions asked for
+        self.active = self.max_active = 0  # (chat) completions being answered now; the most at once
         self.lock = threading.Lock()
 
     @property
@@ -57,7 +64,8 @@ class FakeOpenAI:
                         failing = fake.tokenize_fails > 0
                         fake.tokenize_fails -= failing
                     elif self.path in ("/v1/completions", "/v1/chat/completions"):
-                        fake.requests += 1
+                        fake.requests, fake.active = fake.requests + 1, fake.active + 1
+                        fake.max_active = max(fake.max_active, fake.active)
                         failing = fake.fail_next > 0
                         fake.fail_next -= failing
                     else:
@@ -68,6 +76,8 @@ class FakeOpenAI:
                     return self.reply(200, {"tokens": TOKENS.get(request["prompt"], [2, 11, 12, 13])})
                 if fake.delay:
                     time.sleep(fake.delay)
+                with fake.lock:  # before the reply: a client may send its next request as soon as it has it
+                    fake.active -= 1
                 if failing or fake.mode == "500":
                     return self.reply(fake.fail_status, {"error": {"message": "injected failure"}})
                 if request["model"] != fake.model:
@@ -79,8 +89,7 @@ class FakeOpenAI:
                     return self.reply(200, fake.completion(request["prompt"]))
                 self.reply(200, fake.chat(request["messages"][-1]["content"]))
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
-        self.server.daemon_threads = True
+        self.server = Server(("127.0.0.1", self.port), Handler)
         self.port = self.server.server_address[1]
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
         return self

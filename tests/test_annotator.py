@@ -1,6 +1,7 @@
 """The annotator against a fake OpenAI server with injected faults, its parsing, and training runs
 whose LLM server is down or dies mid-run."""
 import json
+import multiprocessing.managers
 import os
 import queue
 import signal
@@ -22,15 +23,26 @@ CAPTIONS = ["You kill the newt!", "It's a wall.", "You see here 5 gold pieces.",
 
 
 class Annotator:
-    """`annotator.serve` in a thread, with plain containers in place of the Manager's proxies."""
+    """`annotator.serve` in a thread, with a plain LabelTable and dict in place of the Manager's proxies."""
 
-    def __init__(self, url, run_dir, known=(), timeout_s=5.0, model=None, prompts=annotator.PROMPTS):
+    def __init__(self, url, run_dir, known=(), timeout_s=5.0, model=None, prompts=annotator.PROMPTS, concurrency=4):
         self.requests, self.stop = queue.Queue(), threading.Event()
-        self.labels, self.log, self.stats = {}, [], {}
-        self.thread = threading.Thread(target=annotator.serve, daemon=True, args=(
-            [url], model, prompts, self.requests, self.labels, self.log, self.stats,
-            self.stop, str(run_dir), set(known), timeout_s))
+        self.table, self.stats, self.concurrency = annotator.LabelTable(), {}, concurrency
+        self.thread = threading.Thread(target=annotator.serve, daemon=True, kwargs=dict(
+            urls=url if isinstance(url, list) else [url], model=model, prompts=prompts, concurrency=concurrency,
+            run_dir=str(run_dir), known=set(known), requests=self.requests, table=self.table, stats=self.stats,
+            stop=self.stop, timeout_s=timeout_s))
         self.thread.start()
+
+    @property
+    def labels(self):
+        """key -> the latest answer"""
+        return {key: r["label"] if "caption" in r else r["preference"] for key, r in dict(self.table).items()}
+
+    @property
+    def log(self):
+        """every record in the order written (tests/test_reward_models.py reads it as the learner would)"""
+        return self.table.since(0)[0]
 
     def send(self, captions=(), pairs=()):
         self.requests.put((list(captions), list(pairs)))
@@ -145,7 +157,7 @@ def test_other_4xx_are_fatal(fake, tmp_path, status):
     assert not a.thread.is_alive()  # the annotator stopped asking
     assert a.stats["fatal"] == f"HTTP {status} from {fake.url}/{'chat/' * ('instruct' in fake.model)}completions: " \
                                "injected failure"
-    assert fake.requests <= annotator.CONCURRENCY and a.labels == {}
+    assert fake.requests <= a.concurrency and a.labels == {}
 
 
 def test_a_model_the_server_does_not_have_is_fatal(fake, tmp_path):
@@ -406,6 +418,70 @@ def test_check_restarts_a_dead_annotator_and_stops_the_run_on_a_fatal_error(tmp_
         client.close()
 
 
+def test_labels_reach_the_learner_through_the_manager_table_in_bulk(tmp_path, monkeypatch):
+    """The LabelTable in the Manager is the one channel: new_records() takes everything written since
+    its last call, in order (a caption asked again appears again), in one round trip."""
+    fake = FakeOpenAI(model="fake-instruct").start()
+    fake.mode = "garbage"  # the first caption's answer is unparseable twice: an unknown label, asked again
+    client = annotator.LabelClient(client_args(fake.url))
+    client.start(str(tmp_path), set())
+
+    def written(n):
+        deadline = time.time() + 15
+        while client.stats().get("labels", 0) < n and time.time() < deadline:
+            time.sleep(0.05)
+        return client.stats().get("labels", 0) == n
+
+    calls = []
+    call = multiprocessing.managers.BaseProxy._callmethod
+    monkeypatch.setattr(multiprocessing.managers.BaseProxy, "_callmethod",
+                        lambda proxy, name, *a, **kw: calls.append(name) or call(proxy, name, *a, **kw))
+    try:
+        assert client.concurrency == annotator.URL_CONCURRENCY and not hasattr(client, "log")
+        client.request(CAPTIONS[:1], [])
+        assert written(1)
+        fake.mode = "ok"
+        client.request(CAPTIONS, [("It's a wall.", "You kill the newt!")])
+        assert written(len(CAPTIONS) + 2)
+        calls.clear()
+        records = client.new_records()
+        assert calls == ["since"]  # one round trip for all of them
+        assert records == [json.loads(x) for x in open(tmp_path / annotator.LABELS_FILE)]
+        assert records[0] == {"caption": CAPTIONS[0], "label": None}
+        assert [r for r in records if r.get("caption") == CAPTIONS[0]][1:] == [{"caption": CAPTIONS[0], "label": 1}]
+        assert client.new_records() == []  # nothing new since
+        client.request(["You see here 9 gold pieces."], [])
+        assert written(len(CAPTIONS) + 3)
+        assert client.new_records() == [{"caption": "You see here 9 gold pieces.", "label": 1}]
+    finally:
+        client.close()
+        fake.stop()
+
+
+def test_concurrency_keeps_n_requests_in_flight_spread_over_the_servers(tmp_path):
+    slow = [FakeOpenAI(model="fake-instruct").start() for _ in range(2)]
+    for server in slow:
+        server.delay = 1.0
+    captions = [f"You kill the newt number {i}!" for i in range(36)]
+    a = Annotator([s.url for s in slow], tmp_path, model="fake-instruct", concurrency=6)
+    a.send(captions)
+    in_flight = []
+    assert a.wait_for(lambda: in_flight.append(a.stats.get("in_flight", 0)) or len(a.labels) == len(captions), 15)
+    a.close()
+    assert max(in_flight) == 6 and a.labels == dict.fromkeys(captions, 1)
+    assert [s.max_active for s in slow] == [3, 3] and min(s.requests for s in slow) >= 12  # an even spread
+    dead = FakeOpenAI(model="fake-instruct")  # a server that is down: the other one takes its share
+    dead.port = slow[0].port
+    slow[0].stop()
+    slow[1].delay, slow[1].requests = 0.0, 0
+    b = Annotator([dead.url, slow[1].url], tmp_path, model="fake-instruct", concurrency=6)
+    b.send(CAPTIONS)
+    assert b.wait_for(lambda: len(b.labels) == len(CAPTIONS), 10)
+    b.close()
+    slow[1].stop()
+    assert b.labels == expected_labels() and slow[1].requests == len(CAPTIONS) and b.stats["failures"] >= 1
+
+
 def test_start_passes_threads_and_stops_the_server_when_start_up_fails(tmp_path, monkeypatch):
     server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
     calls = []
@@ -419,6 +495,7 @@ def test_start_passes_threads_and_stops_the_server_when_start_up_fails(tmp_path,
         client.start(str(tmp_path), set())
     assert server.poll() is not None  # the embedded server did not outlive the failed start
     assert calls[0]["threads"] is None and calls[0]["num_workers"] == 3
+    assert client.concurrency == annotator.EMBEDDED_CONCURRENCY  # what llama.cpp serves best, unless told
 
 
 def alive(pid):

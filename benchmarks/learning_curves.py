@@ -4,6 +4,7 @@
     python benchmarks/learning_curves.py --configs free_none free_ranking --seeds 1 2 3
     python benchmarks/learning_curves.py --steps 2e9 -- --llm-url http://gpu:8000/v1   # the paper's scale
     python benchmarks/learning_curves.py --plot results/curves/free_none runs/some_run  # only plot
+    python benchmarks/learning_curves.py --eval results/curves/score_extrinsic results/curves/free_ranking
 
 Configurations (steps by default):
     score_extrinsic  --task NetHackScoreExtendedActions-v1 --reward-type none           1,000,000
@@ -204,6 +205,24 @@ def report(dirs, out, figure):
     print(table(runs) + f"figure: {figure}; table: {markdown}")
 
 
+def evaluate(dirs, episodes):
+    """`oni_appo.py --eval` on each run's final checkpoint and `--eval-random` on the same episodes (their
+    seeds come from the run's seed), unless done; then one markdown table of the means +- std over episodes."""
+    rows = ["| run | policy | episodes | score | kills | depth | explored | steps |", "|---|---|---|---|---|---|---|---|"]
+    for run_dir in sorted(d for path in dirs for d in glob.glob(os.path.join(path, "seed*")) or [path]):
+        for flags, name in (([], "eval.json"), (["--eval-random"], "eval_random.json")):
+            if not os.path.exists(os.path.join(run_dir, name)):
+                execute([sys.executable, "oni_appo.py", "--eval", run_dir, "--eval-episodes", str(episodes), *flags],
+                        subprocess.DEVNULL)
+            if os.path.exists(os.path.join(run_dir, name)):
+                results = json.load(open(os.path.join(run_dir, name)))["episodes"]
+                cells = [f"{np.mean([e[k] for e in results]):.2f} ± {np.std([e[k] for e in results]):.2f}"
+                         for k in ("score", "kills", "depth", "explored", "steps")]
+                rows.append(f"| {os.path.relpath(run_dir, ROOT)} | {'random actions' if flags else 'trained'} | "
+                            f"{len(results)} | " + " | ".join(cells) + " |")
+    return "\n".join(rows) + "\n"
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
@@ -217,9 +236,18 @@ def main(argv=None):
     parser.add_argument("--out", default="results/curves")
     parser.add_argument("--figure", default=None, help="PNG path (default OUT/curves.png)")
     parser.add_argument("--plot", nargs="+", metavar="DIR", help="only plot these config or run dirs")
+    parser.add_argument("--eval", nargs="+", metavar="DIR", help="only evaluate these config or run dirs "
+                        "(trained policy and random actions, --eval-episodes each) into OUT/eval.md")
+    parser.add_argument("--eval-episodes", type=int, default=20)
     args = parser.parse_args(argv)
-    if args.plot:
-        report(args.plot, args.out, args.figure)
+    if args.plot or args.eval:
+        if args.plot:
+            report(args.plot, args.out, args.figure)
+        if args.eval:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, "eval.md"), "w") as f:
+                f.write(evaluate(args.eval, args.eval_episodes))
+            print(open(os.path.join(args.out, "eval.md")).read())
         return 0
     if args.num_workers is not None:
         extra = ["--num-workers", str(args.num_workers)] + extra

@@ -102,3 +102,27 @@ def test_runner_commands(tmp_path, monkeypatch):
                             "--seed", "1", "--total-env-steps", "2000000000",
                             "--run-dir", str(out / "score_extrinsic" / "seed1")]  # default extrinsic coef
     assert "--run-dir" in calls[1] and "2000000000" in calls[1]  # summary but no checkpoint: a fresh start
+
+
+def test_eval_table_and_commands(tmp_path, monkeypatch):
+    """--eval: each seed dir gets oni_appo.py --eval (trained) and --eval-random unless its json exists."""
+    run_dir = tmp_path / "cfg" / "seed1"
+    os.makedirs(run_dir)
+    episodes = [{"score": s, "kills": 1, "depth": 1, "explored": 10, "steps": 100} for s in (2, 4)]
+    calls = []
+
+    def fake_execute(command, log):  # oni_appo.py --eval writes eval.json / eval_random.json
+        calls.append(command)
+        name = "eval_random.json" if "--eval-random" in command else "eval.json"
+        (run_dir / name).write_text(json.dumps({"episodes": [dict(e, score=e["score"] * 10) for e in episodes]}))
+        return 0
+
+    (run_dir / "eval.json").write_text(json.dumps({"episodes": episodes}))  # already evaluated: reused
+    monkeypatch.setattr(lc, "execute", fake_execute)
+    out = tmp_path / "out"
+    assert lc.main(["--eval", str(tmp_path / "cfg"), "--out", str(out), "--eval-episodes", "7"]) == 0
+    assert [c[1:] for c in calls] == [["oni_appo.py", "--eval", str(run_dir), "--eval-episodes", "7", "--eval-random"]]
+    lines = open(out / "eval.md").read().strip().splitlines()
+    assert len(lines) == 4
+    trained, random = ([c.strip() for c in line.strip("|").split("|")] for line in lines[2:])
+    assert trained[1:4] == ["trained", "2", "3.00 ± 1.00"] and random[1:4] == ["random actions", "2", "30.00 ± 10.00"]

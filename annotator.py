@@ -1,11 +1,8 @@
 """The annotator: a subprocess that asks OpenAI-compatible LLM servers about the agent's messages.
 
-The learner puts captions (and, for Ranking, pairs) on a queue; the annotator keeps a bounded backlog,
-newest first, `--llm-concurrency` requests in flight over the `--llm-url` servers, timeouts and retries
-with backoff, and writes each answer to `labels.jsonl` and to a LabelTable, a dict in a
-`multiprocessing.Manager` that the learner reads in bulk, incrementally. A server that is down, slow or
-dies never blocks training; an error that retrying cannot fix stops the run through `LabelClient.check()`.
-"""
+Captions and pairs come from the learner on a queue into a bounded backlog, asked newest first; each answer goes
+to `labels.jsonl` and to a LabelTable in a `multiprocessing.Manager`, which the learner reads in bulk. A server
+that is down, slow or dies never blocks training; an error that retrying cannot fix stops the run."""
 import collections
 import concurrent.futures
 import contextlib
@@ -26,8 +23,7 @@ LABELS_FILE = "labels.jsonl"
 MAX_BACKLOG = 10_000
 URL_CONCURRENCY = 64  # requests in flight to --llm-url servers: vLLM batches concurrent requests itself
 EMBEDDED_CONCURRENCY = 2  # llama.cpp answers one at a time: a second request only hides the round trip
-TIMEOUT_S = 60.0
-MAX_BACKOFF_S = 30.0
+TIMEOUT_S, MAX_BACKOFF_S = 60.0, 30.0  # a request's limit; the longest pause of a server that keeps failing
 TOKENIZE_BACKOFF_S = (0.5, 1.0, 2.0)  # start-up retries of the server's tokenize endpoint
 CHECK_EVERY_S, MAX_RESTARTS = 5.0, 5  # LabelClient.check(): how often it reads the stats; restarts
 UNPARSEABLE = object()
@@ -85,13 +81,9 @@ def parse_choice(text: str, options: dict):
     return options.get((text or "").strip().lower(), UNPARSEABLE)
 
 
-def preference_probability(preference) -> float:
-    """Soft Bradley-Terry target: p(first message is better)."""
-    return {1: 1.0, 2: 0.0}.get(preference, 0.5)
-
-
-def pair_key(first: str, second: str) -> str:
-    return json.dumps([first, second])
+def item_key(item) -> str:
+    """The LabelTable's key of a caption (itself) or of a (first, second) pair."""
+    return json.dumps(list(item)) if isinstance(item, tuple) else item
 
 
 def valid_record(r) -> bool:
@@ -105,7 +97,12 @@ def valid_record(r) -> bool:
 def read_labels(path: str) -> list[dict]:
     try:
         with open(path) as f:
-            records = [(n, json.loads(line)) for n, line in enumerate(f, 1) if line.strip()]
+            lines = f.read().split("\n")
+        try:  # a last line with no newline may be a write that a crash cut short: skipped if so
+            json.loads(lines[-1] or "null")
+        except ValueError:
+            lines.pop()
+        records = [(n, json.loads(line)) for n, line in enumerate(lines, 1) if line.strip()]
     except (OSError, ValueError) as error:
         raise SystemExit(f"error: cannot read labels from {path}: {error}")
     for n, record in records:
@@ -138,7 +135,6 @@ def fill(prompts, name, **fields):
         raise Fatal(f"prompt template {name!r}: {type(error).__name__}: {error}") from None
 
 
-# --- One request ----------------------------------------------------------------------------------
 class Labeler:
     """Turns one caption or pair into a label with one HTTP request to one of the servers."""
 
@@ -183,34 +179,33 @@ class Labeler:
                 continue
         return None
 
-    def complete(self, prompt, options: dict, bias: dict, server):
-        """One greedy token restricted to the options' tokens where the server can: the favourite gets
-        a logit bias of 100, the most every backend accepts; the others that less their bias."""
-        ids, logit_bias = {w: self.token_ids.get(w) for w in options}, None
-        if None not in ids.values():
-            top = max(bias.get(w, 0.0) for w in options)
-            logit_bias = {str(i): 100.0 - top + bias.get(w, 0.0) for w, i in ids.items()}
+    def complete(self, caption, server):
+        """A base model's label: one greedy token, restricted to ' Yes'/' No' where the server can: the
+        favourite gets a logit bias of 100, the most every backend accepts, the other that less its handicap."""
+        prompt, logit_bias = fill(self.prompts, "label_completion", caption=caption), None
+        if self.restricted:
+            top = max(0.0, BIAS_TOWARDS_NO)
+            yes, no = (str(self.token_ids[word]) for word in (" Yes", " No"))
+            logit_bias = {yes: 100.0 - top, no: 100.0 - top + BIAS_TOWARDS_NO}
             if not all(-100.0 <= b <= 100.0 for b in logit_bias.values()):  # a backend would clamp it
                 raise Fatal(f"logit biases {logit_bias} are outside [-100, 100]")
         answer = self.call(self.urls[server] + "/completions", {"model": self.model, "prompt": prompt, "max_tokens": 1,
                                                                 "temperature": 0.0, "logit_bias": logit_bias})
-        return parse_choice(answer["choices"][0]["text"], {w.strip().lower(): v for w, v in options.items()})
+        return parse_choice(answer["choices"][0]["text"], {"yes": 1, "no": 0})
 
     def ask(self, item, server=0):
         """The parsed answer about a caption (str) or a (first, second) pair from server number `server`."""
-        p, is_pair = self.prompts, isinstance(item, tuple)
-        fields = {"first": item[0], "second": item[1]} if is_pair else {"caption": item}
+        is_pair = isinstance(item, tuple)
         if self.style == "chat":
-            kind = "pair" if is_pair else "label"
+            kind, fields = ("pair", {"first": item[0], "second": item[1]}) if is_pair else ("label", {"caption": item})
             answer = self.call(self.urls[server] + "/chat/completions", {
                 "model": self.model, "temperature": 0.1, "max_tokens": 512,
-                "messages": [{"role": "system", "content": p[f"{kind}_system"]},
-                             {"role": "user", "content": fill(p, f"{kind}_user", **fields)}]})
+                "messages": [{"role": "system", "content": self.prompts[f"{kind}_system"]},
+                             {"role": "user", "content": fill(self.prompts, f"{kind}_user", **fields)}]})
             text = answer["choices"][0]["message"]["content"]
             return parse_preference(text) if is_pair else parse_label(text)
         if not is_pair:
-            return self.complete(fill(p, "label_completion", **fields), {" Yes": 1, " No": 0},
-                                 {" No": BIAS_TOWARDS_NO}, server)
+            return self.complete(item, server)
         # A small base model cannot compare two messages (the 270M default answers by position,
         # not content): a pair's preference comes from the two messages' own labels.
         first, second = (self.labels.get(m) if m in self.labels else self.ask(m, server) for m in item)
@@ -220,11 +215,9 @@ class Labeler:
         return None if first == second else 1 if first > second else 2
 
 
-# --- The label table and the annotator process ----------------------------------------------------
 class LabelTable(dict):
-    """The one label channel, in the Manager's process: key (caption or pair_key) -> its latest record,
-    and every record in the order written (a caption asked again appears again), for the learner to
-    read what is new since its cursor in one round trip. It outlives a restarted annotator."""
+    """The one label channel, in the Manager's process (it outlives a restarted annotator): item_key -> its latest
+    record, and every record as written (a caption asked again appears again), for the learner to read in bulk."""
 
     def __init__(self):
         super().__init__()
@@ -235,9 +228,9 @@ class LabelTable(dict):
             self[key] = record
             self.written.append(record)
 
-    def since(self, cursor: int):
-        """(the records written after the first `cursor` ones, the new cursor)"""
-        return self.written[cursor:], len(self.written)
+    def since(self, cursor: int):  # (the records written after the first `cursor` ones, the new cursor)
+        end = len(self.written)  # first: a record appended between the two reads would be skipped for good
+        return self.written[cursor:end], end
 
     def settled(self) -> list:  # not to be asked again: pairs (a tie is an answer), captions with a label
         return [key for key, record in self.items() if record.get("label", 0) is not None]
@@ -250,14 +243,11 @@ class Manager(multiprocessing.managers.SyncManager):
 Manager.register("LabelTable", LabelTable, exposed=("put", "since", "settled"))
 
 
-def item_key(item) -> str:  # the table's key of a caption or a pair
-    return pair_key(*item) if isinstance(item, tuple) else item
-
-
 def serve(*, urls, model, prompts, concurrency, run_dir, known, requests, table, stats, stop, timeout_s=TIMEOUT_S):
     """The annotator process: `concurrency` requests in flight, each to the least busy server not pausing."""
     labeler = Labeler(urls, model, prompts, timeout_s)
     backlog, attempts, in_flight = collections.OrderedDict(), collections.Counter(), {}  # backlog: key -> item
+    asking = set()  # keys in flight: a retry of one must not ask it twice
     done = set(known) | set(table.settled())  # a restarted annotator does not ask again what is answered
     latencies, counts = collections.deque(maxlen=1000), collections.Counter(stats.copy())  # counts go on
     pause_s, resume_at = [1.0] * len(urls), [0.0] * len(urls)  # per server: a dead one must not stall the rest
@@ -266,7 +256,7 @@ def serve(*, urls, model, prompts, concurrency, run_dir, known, requests, table,
 
     def enqueue(item):
         key = item_key(item)
-        if key and key not in done and key not in backlog:
+        if key and key not in done and key not in backlog and key not in asking:
             if len(backlog) >= MAX_BACKLOG:  # the oldest goes: the learner asks again what stays unlabelled
                 backlog.popitem(last=False)
                 counts["dropped"] += 1
@@ -275,7 +265,8 @@ def serve(*, urls, model, prompts, concurrency, run_dir, known, requests, table,
     def failed(server, error):  # down, 5xx, timeout: that server pauses, twice as long each time; else fatal
         nonlocal fatal
         counts["failures"] += 1
-        resume_at[server], pause_s[server] = time.time() + pause_s[server], min(pause_s[server] * 2, MAX_BACKOFF_S)
+        if time.time() >= resume_at[server]:  # one outage, one doubling (its requests in flight fail together)
+            resume_at[server], pause_s[server] = time.time() + pause_s[server], min(pause_s[server] * 2, MAX_BACKOFF_S)
         fatal = fatal or fatal_reason(error)
 
     while not stop.is_set() and not fatal:
@@ -300,9 +291,11 @@ def serve(*, urls, model, prompts, concurrency, run_dir, known, requests, table,
             busy[server] += 1
             item = backlog.popitem()[1]  # newest first
             in_flight[pool.submit(labeler.ask, item, server)] = (item, server, time.time())
+            asking.add(item_key(item))
         answered = []
         for future in [f for f in in_flight if f.done()]:
             item, server, started = in_flight.pop(future)
+            asking.discard(item_key(item))
             counts["requests"] += 1
             try:
                 answer = future.result()
@@ -342,7 +335,6 @@ def _serve_process(**kwargs):
     serve(**kwargs)
 
 
-# --- The learner's side ---------------------------------------------------------------------------
 class LabelClient:
     """Starts the annotator (and the embedded LLM server when no --llm-url is given), sends it
     requests, reads new labels in bulk from the LabelTable, and restarts the annotator if it dies."""
@@ -374,11 +366,9 @@ class LabelClient:
             print(f"embedded LLM server at {url}", flush=True)
         try:
             self.ctx = multiprocessing.get_context("spawn")
-            # the learner decides when everything stops: Ctrl-C must not kill the Manager under it
-            self.manager = Manager(ctx=self.ctx)
+            self.manager = Manager(ctx=self.ctx)  # the learner decides when it stops: Ctrl-C must not kill it
             self.manager.start(signal.signal, (signal.SIGINT, signal.SIG_IGN))
-            self.table, self.shared_stats = self.manager.LabelTable(), self.manager.dict()
-            self.stop = self.ctx.Event()
+            self.table, self.shared_stats, self.stop = self.manager.LabelTable(), self.manager.dict(), self.ctx.Event()
             self.launch()
         except BaseException:
             self.close()  # the embedded server must not outlive a failed start
@@ -387,6 +377,7 @@ class LabelClient:
     def launch(self):
         """(Re)starts the annotator on the same table and stats (a new queue: a dead process may hold its lock)."""
         self.requests = self.ctx.Queue(maxsize=1000)
+        self.requests.cancel_join_thread()  # exit must not wait to flush requests no process will read
         process = self.ctx.Process(target=_serve_process, daemon=True, kwargs=dict(
             urls=self.urls, model=self.args.llm_model, prompts=self.prompts, concurrency=self.concurrency,
             run_dir=self.run_dir, known=self.known, requests=self.requests, table=self.table,

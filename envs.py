@@ -1,10 +1,8 @@
 """The NetHack tasks of the ONI paper on NLE 1.3, with the paper's 28 "extended" actions.
 
-`make_env(task, seed)` builds one; the same classes are registered with gymnasium under the names
-of the paper's code (`gym.make("NetHackScoreExtendedActions-v1")`). Each step's `info` carries
-`message_count`: how many times the current message has been seen in this episode (the N of ONI's
-1/N^beta), and the final step's `info["episode"]` the episode statistics.
-"""
+`make_env(task, seed)` builds one, as does `gym.make` under the names of the paper's code. Each step's
+`info["message_count"]` says how often its message has been seen in the episode (the N of ONI's 1/N^beta),
+and the final step's `info["episode"]` holds the episode's statistics."""
 import re
 import gymnasium as gym
 import numpy as np
@@ -51,9 +49,7 @@ X, Y, SCORE, DEPTH, GOLD, XLVL, TIME, DNUM, DLEVEL = (
 
 def message_bytes(message: np.ndarray) -> bytes:
     """The message line as bytes without its zero padding."""
-    raw = message.tobytes()
-    end = raw.find(b"\0")
-    return raw if end < 0 else raw[:end]
+    return message.tobytes().partition(b"\0")[0]
 
 
 def monster_glyph(name: str) -> int:
@@ -79,7 +75,6 @@ class NetHackTask(base.NLE):
         self._keys = tuple(int(a) for a in ACTIONS)
         self._obs_index = [self._observation_keys.index(k) for k in OBS_KEYS]
 
-    # -- gymnasium API -------------------------------------------------------------------------
     def reset(self, seed=None, options=None):
         if seed is not None:
             self._seeds = np.random.default_rng(seed)
@@ -87,12 +82,9 @@ class NetHackTask(base.NLE):
             core, disp = (int(s) for s in self._seeds.integers(1, 2**62, size=2))
             super().seed(core, disp, reseed=False)
         obs, _ = super().reset(options=options)
-        self._item_key, self._texts = None, []
-        self._message_counts = {}
+        self._item_key, self._texts, self._message_counts, self._explored = None, [], {}, {}
         self._kills, self._return, self._max_depth = 0, 0.0, 1
-        self._explored = {}
-        text = message_bytes(self.last_observation[self._message_index])
-        return obs, {"message_count": self._count_message(text)}
+        return obs, {"message_count": self._count_message(message_bytes(self.last_observation[self._message_index]))}
 
     def step(self, action: int):
         previous = self.last_observation[self._blstats_index].tolist()
@@ -114,8 +106,7 @@ class NetHackTask(base.NLE):
             reward = SUCCESS_REWARD if success else 0.0
         self._return += reward
         truncated = not done and not success and self._steps >= self._max_episode_steps
-        text = message_bytes(observation[self._message_index])
-        info = {"message_count": self._count_message(text)}
+        info = {"message_count": self._count_message(message_bytes(observation[self._message_index]))}
         self._kills += len(KILL_MESSAGE.findall(b"\n".join(self._texts)))
         obs = self._get_observation(observation)
         # a new level (stairs, trap door, level teleport; or the game's end, which zeroes the stats)
@@ -123,7 +114,10 @@ class NetHackTask(base.NLE):
             self._count_explored(np.frombuffer(self._map, np.int16), previous)  # the level left
         if done or success or truncated:
             self._count_explored(observation[self._glyph_index], blstats)
-            info["episode"] = self._episode_stats(stats, success)
+            info["episode"] = {"return": self._return, "steps": self._steps, "success": float(success),
+                               "score": stats[SCORE], "depth": self._max_depth, "dlvl": stats[DEPTH],
+                               "xlvl": stats[XLVL], "gold": stats[GOLD], "kills": self._kills,
+                               "explored": sum(self._explored.values())}
         if (success or truncated) and not done:
             # NLE refills its arrays in place: keep the last real observation (a truncated
             # episode bootstraps from it), then end the game cleanly.
@@ -134,7 +128,6 @@ class NetHackTask(base.NLE):
     def _get_observation(self, observation):
         return {k: observation[i] for k, i in zip(OBS_KEYS, self._obs_index)}
 
-    # -- extended actions ----------------------------------------------------------------------
     def _send_action(self, action: int, key: int):
         self._texts = []
         if self._item_key is not None:  # we stopped at "What do you want to eat/drink?"
@@ -183,15 +176,12 @@ class NetHackTask(base.NLE):
             message[:] = np.frombuffer(kept.ljust(MESSAGE_LEN, b"\0"), np.uint8)
         return observation, done
 
-    # -- task success and statistics -----------------------------------------------------------
     def _succeeded(self, observation, blstats) -> bool:
         if self.goal == "oracle":
             x, y = blstats[X], blstats[Y]
             near = observation[self._glyph_index][max(y - 1, 0):y + 2, max(x - 1, 0):x + 2]
             return bool((near == self.oracle_glyph).any())
-        if self.goal == "score":
-            return False
-        return (blstats[DLEVEL] == self.goal[1]
+        return (self.goal != "score" and blstats[DLEVEL] == self.goal[1]
                 and DESCEND_MESSAGE in message_bytes(observation[self._message_index]))
 
     def _count_message(self, text: bytes) -> int:
@@ -204,14 +194,6 @@ class NetHackTask(base.NLE):
             level = (blstats[DNUM], blstats[DLEVEL])
             seen = int(np.count_nonzero(glyphs != STONE_GLYPH))
             self._explored[level] = max(seen, self._explored.get(level, 0))
-
-    def _episode_stats(self, stats, success) -> dict:
-        return {
-            "return": self._return, "steps": self._steps, "success": float(success),
-            "score": stats[SCORE], "depth": self._max_depth, "dlvl": stats[DEPTH],
-            "xlvl": stats[XLVL], "gold": stats[GOLD], "kills": self._kills,
-            "explored": sum(self._explored.values()),
-        }
 
 
 def make_env(task: str, seed: int | None = None, **kwargs) -> NetHackTask:

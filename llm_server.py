@@ -4,8 +4,7 @@
     python llm_server.py --backend vllm --model meta-llama/Llama-3.1-8B-Instruct --tensor-parallel-size 1
 
 Waits until `/v1/models` answers, prints the base URL to pass as `--llm-url`, and stops the server
-on Ctrl-C / SIGTERM. `oni_appo.py` starts the embedded one itself when no `--llm-url` is given.
-"""
+on Ctrl-C / SIGTERM. `oni_appo.py` starts the embedded one itself when no `--llm-url` is given."""
 import argparse
 import importlib.util
 import os
@@ -17,7 +16,7 @@ import tempfile
 import time
 import urllib.request
 
-BACKENDS = {"llama_cpp": "llama_cpp", "vllm": "vllm"}  # backend -> the module it needs
+BACKENDS = ("llama_cpp", "vllm")  # each also the name of the module it needs
 
 
 def embedded_model_path() -> str:
@@ -29,19 +28,13 @@ def embedded_model_path() -> str:
     return str(assemble())
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def build_command(backend, model, host, port, threads=None, tensor_parallel_size=1, max_model_len=4096,
-                  num_workers=0, gpu_memory_utilization=0.5):
+def build_command(backend, model, host, port, threads=None, tensor_parallel_size=1, num_workers=0,
+                  gpu_memory_utilization=0.5):
     """The server's command line; checks that the backend is installed and a model path exists.
     llama.cpp's threads default to the cores that the trainer's env workers leave (at least one)."""
     if backend not in BACKENDS:
         raise SystemExit(f"error: unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
-    if importlib.util.find_spec(BACKENDS[backend]) is None:
+    if importlib.util.find_spec(backend) is None:
         hint = ("pip install vllm (on the GPU node; it brings its own CUDA torch)" if backend == "vllm"
                 else "pip install 'llama-cpp-python[server]'")
         raise SystemExit(f"error: backend {backend} is not installed: {hint}")
@@ -58,18 +51,15 @@ def build_command(backend, model, host, port, threads=None, tensor_parallel_size
     if model.startswith(("/", ".", "~")) and not os.path.exists(os.path.expanduser(model)):
         raise SystemExit(f"error: model path {model} does not exist")
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", host,
-            "--port", str(port), "--tensor-parallel-size", str(tensor_parallel_size),
-            "--max-model-len", str(max_model_len),
+            "--port", str(port), "--tensor-parallel-size", str(tensor_parallel_size), "--max-model-len", "4096",
             "--gpu-memory-utilization", str(gpu_memory_utilization)]  # the learner may share the GPU
 
 
-def wait_until_ready(url, process, timeout_s=600.0, log_path=None):
+def wait_until_ready(url, process, timeout_s, log_path):
     deadline = time.time() + timeout_s
     while time.time() < deadline:
         if process.poll() is not None:
-            tail = ""
-            if log_path and os.path.exists(log_path):
-                tail = " | ".join(open(log_path, errors="replace").read().strip().splitlines()[-3:])
+            tail = " | ".join(open(log_path, errors="replace").read().strip().splitlines()[-3:])
             raise SystemExit(f"error: the LLM server exited with code {process.returncode}: {tail}")
         try:
             with urllib.request.urlopen(f"{url}/models", timeout=2) as response:
@@ -84,11 +74,12 @@ def wait_until_ready(url, process, timeout_s=600.0, log_path=None):
 def start(backend="llama_cpp", model=None, host="127.0.0.1", port=None, threads=None,
           tensor_parallel_size=1, log_path=None, timeout_s=600.0, num_workers=0, gpu_memory_utilization=0.5):
     """Start the server as a child process; returns (process, base URL) once it answers."""
-    if port:
-        with socket.socket() as probe:  # else we would find the other server answering there
-            if probe.connect_ex(("127.0.0.1", port)) == 0:
-                raise SystemExit(f"error: port {port} is already in use")
-    port = port or free_port()
+    with socket.socket() as probe:
+        if not port:  # a free one
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        elif probe.connect_ex(("127.0.0.1", port)) == 0:  # else we would find the other server answering there
+            raise SystemExit(f"error: port {port} is already in use")
     command = build_command(backend, model, host, port, threads, tensor_parallel_size, num_workers=num_workers,
                             gpu_memory_utilization=gpu_memory_utilization)
     if log_path is None:  # keep the output somewhere, so a failed start can say why

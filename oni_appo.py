@@ -2,12 +2,12 @@
 
     python oni_appo.py --reward-type ranking
 
-Processes: env workers step their envs in two halves (double buffering) and write straight into
-shared-memory rollout buffers; this process runs batched inference on whichever halves are ready,
-while a learner thread trains on full rollouts; `annotator.py` (a subprocess) asks the LLM server
-about the messages the agent sees. See README.md.
+Env worker processes step their envs in two halves (double buffering) into shared-memory rollout buffers;
+the main thread acts for whichever halves are ready, a learner thread trains on full rollouts, and
+`annotator.py` (a subprocess) asks the LLM server about the messages the agent sees. See README.md.
 """
 import collections
+import contextlib
 import dataclasses
 import enum
 import json
@@ -76,16 +76,13 @@ class Args:
     max_episode_steps: int = envs.MAX_EPISODE_STEPS
     """time limit of an episode in steps (truncated, bootstrapped); NLE's default 5000"""
     raw_ranking: bool = False
-    """ranking: use the reward model's raw output, as the reference code did, instead of the
-    running-normalized, median-thresholded one"""
+    """ranking: the reward model's raw output (as the reference code), not the normalized, median-thresholded one"""
     llm_url: list[str] = field(default_factory=list)
-    """base URLs of OpenAI-compatible LLM servers (e.g. http://host:8000/v1); requests are spread
-    across them. Empty: start the embedded CPU server (llm_server.py) when the reward type needs one"""
+    """base URLs of OpenAI-compatible LLM servers, requests spread across them (none: the embedded llm_server.py)"""
     llm_model: str | None = None
     """model name to ask for (default: the first one the server lists)"""
     llm_concurrency: int | None = None
-    """LLM requests kept in flight (default: 64 for --llm-url servers, which batch them; fewer for the
-    embedded server)"""
+    """LLM requests in flight (default: 64 for --llm-url servers, which batch them; fewer for the embedded one)"""
     llm_threads: int | None = None
     """CPU threads of the embedded LLM server (default: the cores left over by the env workers, >= 1)"""
     prompt_file: str | None = None
@@ -116,6 +113,7 @@ class Args:
 RESUME_OVERRIDES = ("total_env_steps", "num_workers", "device", "track", "llm_url", "llm_model", "llm_concurrency",
                     "llm_threads", "prompt_file", "checkpoint_every_s")
 CROP = 12  # the paper's crop of the map around the agent
+TORCH_THREADS = torch.get_num_threads()  # the learner's, read before any thread changes the default
 
 
 class End(enum.IntEnum):
@@ -141,7 +139,6 @@ def fail(message: str):
     raise SystemExit(f"error: {message}")
 
 
-# -- Policy ------------------------------------------------------------------------------------------
 def layer_init(layer, std=np.sqrt(2), bias=0.0):
     nn.init.orthogonal_(layer.weight, std)
     nn.init.constant_(layer.bias, bias)
@@ -149,25 +146,21 @@ def layer_init(layer, std=np.sqrt(2), bias=0.0):
 
 
 class Agent(nn.Module):
-    """12x12 crop around the agent (learned char + colour embeddings, two convs), bottom-line stats
-    and message bytes (MLPs) -> GRU 512 -> actor and critic."""
+    """12x12 crop (char + colour embeddings, two convs), stats and message (MLPs) -> GRU 512 -> actor and critic."""
 
     def __init__(self, num_actions=len(envs.ACTIONS), hidden=512):
         super().__init__()
         self.char_embed, self.color_embed = nn.Embedding(256, 32), nn.Embedding(16, 32)
-        self.crop_net = nn.Sequential(
-            layer_init(nn.Conv2d(32, 64, 3, padding=1)), nn.ELU(),
-            layer_init(nn.Conv2d(64, 64, 3, stride=2, padding=1)), nn.ELU(), nn.Flatten(),
-            layer_init(nn.Linear(64 * (CROP // 2) ** 2, 256)), nn.ELU())
-        self.stats_net = nn.Sequential(layer_init(nn.Linear(27, 64)), nn.ELU(),
-                                       layer_init(nn.Linear(64, 64)), nn.ELU())
+        self.crop_net = nn.Sequential(layer_init(nn.Conv2d(32, 64, 3, padding=1)), nn.ELU(),
+                                      layer_init(nn.Conv2d(64, 64, 3, stride=2, padding=1)), nn.ELU(), nn.Flatten(),
+                                      layer_init(nn.Linear(64 * (CROP // 2) ** 2, 256)), nn.ELU())
+        self.stats_net = nn.Sequential(layer_init(nn.Linear(27, 64)), nn.ELU(), layer_init(nn.Linear(64, 64)), nn.ELU())
         self.message_net = nn.Sequential(layer_init(nn.Linear(envs.MESSAGE_LEN, 128)), nn.ELU(),
                                          layer_init(nn.Linear(128, 128)), nn.ELU())
         self.fuse = nn.Sequential(layer_init(nn.Linear(256 + 64 + 128, hidden)), nn.ELU())
         self.gru = nn.GRUCell(hidden, hidden)
         self.actor = layer_init(nn.Linear(hidden, num_actions), std=0.01)
         self.critic = layer_init(nn.Linear(hidden, 1), std=1.0)
-        self.hidden_size = hidden
 
     def encode(self, obs):
         """obs: chars/colors [N,21,79] uint8, blstats [N,27], message [N,256] -> [N, hidden]."""
@@ -183,33 +176,27 @@ class Agent(nn.Module):
         crop = (self.char_embed(crop_chars) + self.color_embed(crop_colors)).permute(0, 3, 1, 2)
         stats = torch.sign(blstats) * torch.log1p(blstats.abs())  # stats span 1 to 1e6: log-scale
         message = obs["message"].float() / 255.0
-        return self.fuse(torch.cat([self.crop_net(crop), self.stats_net(stats),
-                                    self.message_net(message)], dim=1))
+        return self.fuse(torch.cat([self.crop_net(crop), self.stats_net(stats), self.message_net(message)], dim=1))
 
     def step(self, obs, h):
         h = self.gru(self.encode(obs), h)
         return self.actor(h), self.critic(h).squeeze(-1), h
 
     def unroll(self, obs, h0, cuts):
-        """obs: [T+1, B, ...]; cuts[t]: the episode ended at transition t, so the state is reset
-        before obs t+1. Returns logits [T+1, B, A] and values [T+1, B]."""
+        """obs: [T+1, B, ...]; cuts[t]: the state resets before obs t+1. Returns logits [T+1, B, A], values [T+1, B]."""
         steps, batch = obs["chars"].shape[:2]
         features = self.encode({k: v.flatten(0, 1) for k, v in obs.items()}).view(steps, batch, -1)
         h, outputs = h0, []
         for t in range(steps):
-            if t > 0:
-                h = h * (~cuts[t - 1]).float()[:, None]
-            h = self.gru(features[t], h)
+            h = self.gru(features[t], h if t == 0 else h * (~cuts[t - 1]).float()[:, None])
             outputs.append(h)
         out = torch.stack(outputs)
         return self.actor(out), self.critic(out).squeeze(-1)
 
 
-# -- V-trace and the loss ----------------------------------------------------------------------------
 def vtrace(rewards, values, bootstrap, discounts, rhos, cs):
-    """V-trace targets (Espeholt et al. 2018, eq. 1) in backward recursive form.
-    rewards, discounts, rhos, cs, values: [T, B]; bootstrap: V(x_T) [B].
-    Returns vs [T, B] and the policy-gradient advantages rho_t (r_t + discount_t vs_{t+1} - V_t)."""
+    """V-trace targets (Espeholt et al. 2018, eq. 1), recursively. rewards, discounts, rhos, cs, values: [T, B];
+    bootstrap: V(x_T) [B]. Returns vs [T, B] and the advantages rho_t (r_t + discount_t vs_{t+1} - V_t)."""
     next_values = torch.cat([values[1:], bootstrap[None]])
     deltas = rhos * (rewards + discounts * next_values - values)
     acc, vs = torch.zeros_like(bootstrap), torch.empty_like(values)
@@ -221,21 +208,18 @@ def vtrace(rewards, values, bootstrap, discounts, rhos, cs):
 
 
 def vtrace_targets(end, rewards, values, ratio, gamma):
-    """V-trace over a rollout with episode boundaries; values: [T+1, B] (the last bootstraps).
-    A truncated episode bootstraps from its real last observation; only true ends cut the return.
-    A reset step (the step after a truncation) is no transition: rho = c = 0 and no discount."""
+    """V-trace over a rollout; values: [T+1, B] (the last bootstraps). A truncation bootstraps from its real last
+    observation, only true ends cut the return; a reset step is no transition (rho = c = 0, no discount)."""
     discounts = gamma * ((end == End.RUNNING) | (end == End.TRUNCATED)).float()
     clipped = ratio.clamp(max=1.0) * (end != End.RESET).float()  # rho_bar = c_bar = 1
     return vtrace(rewards, values[:-1], values[-1], discounts, clipped, clipped)
 
 
 def appo_loss(agent, batch, rewards, args):
-    """Clipped PPO surrogate on V-trace advantages (rho_bar = c_bar = 1), value loss, entropy; the
-    coefficients and the ratio's safety clamp of sample-factory v1, which ONI used."""
+    """Clipped PPO on V-trace advantages, value loss, entropy; sample-factory v1's coefficients (which ONI used)."""
     end = batch["end"]
-    cuts = episode_cut(end)
     valid = (end != End.RESET).float()  # a reset step is no transition of the policy
-    logits, values = agent.unroll(batch["obs"], batch["h0"], cuts)
+    logits, values = agent.unroll(batch["obs"], batch["h0"], episode_cut(end))
     log_probs = torch.log_softmax(logits[:-1], dim=-1)
     new_logp = log_probs.gather(-1, batch["action"][..., None]).squeeze(-1)
     ratio = torch.exp(new_logp - batch["logprob"]).clamp(0.05, 20.0)  # far-off ratios are noise
@@ -251,24 +235,20 @@ def appo_loss(agent, batch, rewards, args):
     value_loss = (((values[:-1] - vs) ** 2) * valid).sum() / n
     entropy = (-(log_probs.exp() * log_probs).sum(-1) * valid).sum() / n
     loss = policy_loss + args.vf_coef * value_loss - args.ent_coef * entropy
-    return loss, {"policy_loss": policy_loss.item(), "value_loss": value_loss.item(),
-                  "entropy": entropy.item(), "clip_fraction": (((ratio < low) | (ratio > high)).float()
-                                                               * valid).sum().item() / n.item()}
+    return loss, {"policy_loss": policy_loss.item(), "value_loss": value_loss.item(), "entropy": entropy.item(),
+                  "clip_fraction": (((ratio < low) | (ratio > high)).float() * valid).sum().item() / n.item()}
 
 
-# -- Shared-memory rollout buffers and env workers ---------------------------------------------------
 def make_buffers(num_buffers, rollout, n):
     """Rollout buffers in shared memory, indexed [buffer, t, env of the slot]."""
     def shared(*shape, dtype):
         return torch.zeros(num_buffers, *shape, dtype=dtype).share_memory_()
-    steps = rollout + 1
     return {
-        "chars": shared(steps, n, 21, 79, dtype=torch.uint8),
-        "colors": shared(steps, n, 21, 79, dtype=torch.uint8),
-        "blstats": shared(steps, n, 27, dtype=torch.float32),
-        "message": shared(steps, n, envs.MESSAGE_LEN, dtype=torch.uint8),
-        # the message each step produced and N, its count in the episode: the intrinsic reward's
-        # input. It differs from message[t + 1] when the episode ended and the env was reset.
+        "chars": shared(rollout + 1, n, 21, 79, dtype=torch.uint8),
+        "colors": shared(rollout + 1, n, 21, 79, dtype=torch.uint8),
+        "blstats": shared(rollout + 1, n, 27, dtype=torch.float32),
+        "message": shared(rollout + 1, n, envs.MESSAGE_LEN, dtype=torch.uint8),
+        # the reward's input: each step's own message and its count N in the episode (at an end: not message[t+1])
         "step_message": shared(rollout, n, envs.MESSAGE_LEN, dtype=torch.uint8),
         "step_count": shared(rollout, n, dtype=torch.int32),
         "action": shared(rollout, n, dtype=torch.int64),
@@ -284,22 +264,16 @@ OBS_FIELDS = ("chars", "colors", "blstats", "message")
 
 
 def env_worker(index, task, seed, num_envs, buffers, conn, max_episode_steps=envs.MAX_EPISODE_STEPS):
-    """Steps half of its envs per command (half, buffer, t): with the actions at [buffer, t] it
-    writes rewards, end codes and the step's own message at t and the next observations at t+1
-    (t=-1: reset, write at 0). A death or success resets at once, so obs t+1 starts the next episode;
-    a truncated episode shows its last observation and resets on its next step (end code "reset")."""
+    """Steps half of its envs per command (half, buffer, t): the actions at [buffer, t] in; reward, end code and the
+    step's own message at t and the next observation at t+1 out (t=-1: a reset into 0). A death or success resets at
+    once (obs t+1 starts the next episode); a truncation shows its last observation, then resets (end code RESET)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process handles Ctrl-C
     torch.set_num_threads(1)
     bufs = {k: v.numpy() for k, v in buffers.items()}
     half_size = num_envs // 2
     seeds = [seed + index * num_envs + i for i in range(num_envs)]
     pool = [envs.make_env(task, seed=s, max_episode_steps=max_episode_steps) for s in seeds]
-    needs_reset, crashes = [False] * num_envs, [0] * num_envs
-
-    def write(b, t, j, obs):
-        for k in OBS_FIELDS:
-            bufs[k][b, t, j] = obs[k]
-
+    needs_reset = [False] * num_envs
     while True:
         try:
             command = conn.recv()
@@ -309,16 +283,11 @@ def env_worker(index, task, seed, num_envs, buffers, conn, max_episode_steps=env
             break
         half, b, t = command
         episodes = []
-        for j in range(half_size):
-            i = half * half_size + j
-            message, count, stepped = 0, 1, False  # a reset step produced no message
+        for j, i in enumerate(range(half * half_size, (half + 1) * half_size)):  # j: the env's column in the buffers
+            reward, end, message, count, stepped = 0.0, End.RESET, 0, 1, False  # a reset step produced no message
             try:
-                if t < 0:
-                    write(b, 0, j, pool[i].reset()[0])
-                    continue
-                if needs_reset[i]:
-                    needs_reset[i] = False
-                    (obs, _), reward, end = pool[i].reset(), 0.0, End.RESET
+                if t < 0 or needs_reset[i]:
+                    (obs, _), needs_reset[i] = pool[i].reset(), False
                 else:
                     obs, reward, terminated, truncated, info = pool[i].step(bufs["action"][b, t, j])
                     end = End.TERMINATED if terminated else End.TRUNCATED if truncated else End.RUNNING
@@ -330,32 +299,26 @@ def env_worker(index, task, seed, num_envs, buffers, conn, max_episode_steps=env
                     needs_reset[i] = truncated
             except Exception as error:  # a crashed game must not stop the run: replace it
                 print(f"worker {index}: env {i} crashed ({error!r}); recreating it", file=sys.stderr)
-                try:
+                with contextlib.suppress(Exception):
                     pool[i].close()
-                except Exception:
-                    pass
-                crashes[i] += 1
-                pool[i] = envs.make_env(task, seed=seeds[i] + 1_000_003 * crashes[i],
-                                        max_episode_steps=max_episode_steps)
+                seeds[i] += 1_000_003  # another stream of games
+                pool[i] = envs.make_env(task, seed=seeds[i], max_episode_steps=max_episode_steps)
                 (obs, _), needs_reset[i] = pool[i].reset(), False
                 if not stepped:  # else the step ended its episode and only the reset failed: keep it
-                    reward, end, message, count = 0.0, End.RESET, 0, 1
-                if t < 0:
-                    write(b, 0, j, obs)
-                    continue
-            write(b, t + 1, j, obs)
-            bufs["step_message"][b, t, j], bufs["step_count"][b, t, j] = message, count
-            bufs["reward"][b, t, j] = reward
-            bufs["end"][b, t, j] = end
+                    reward, end = 0.0, End.RESET
+            for k in OBS_FIELDS:  # t = -1 (the first reset) writes at 0
+                bufs[k][b, t + 1, j] = obs[k]
+            if t >= 0:
+                bufs["step_message"][b, t, j], bufs["step_count"][b, t, j] = message, count
+                bufs["reward"][b, t, j], bufs["end"][b, t, j] = reward, end
         conn.send((half, episodes))
     for env in pool:
         env.close()
 
 
 def add_intrinsic_episodes(totals, finished, paid, end, env_ids, n):
-    """paid (R / N^beta), end: [T, B], rollouts of n envs side by side in the order they were collected
-    (one env may have two in a batch); env_ids: [B]. Adds up each env's episode in totals [envs, 3]
-    and, at its end, appends its intrinsic return and share of rewarded steps to finished[env]."""
+    """paid (R / N^beta), end: [T, B]: rollouts of n envs side by side, in order (one env may have two); env_ids: [B].
+    Sums each env's episode in totals [envs, 3]; at its end, its intrinsic return and rewarded share go to finished."""
     paid, end = paid.cpu().numpy(), end.cpu().numpy()
     for first in range(0, paid.shape[1], n):
         ids = env_ids[first:first + n]
@@ -368,8 +331,7 @@ def add_intrinsic_episodes(totals, finished, paid, end, env_ids, n):
 
 
 def join_episodes(pending, finished, final=False):
-    """The workers' episode statistics joined with the learner's intrinsic totals of the same episodes
-    (per env, both come in order); final: also those the learner never got to."""
+    """Workers' episodes joined with the learner's intrinsic totals of them (per env, both in order); final: all."""
     out = []
     for worker_episodes, learner_episodes in zip(pending, finished):
         while worker_episodes and (learner_episodes or final):
@@ -377,10 +339,8 @@ def join_episodes(pending, finished, final=False):
     return sorted(out, key=lambda e: e["env_steps"])
 
 
-# -- Checkpoints -------------------------------------------------------------------------------------
 def load_checkpoint(path, agent=None):
-    """(file, checkpoint, its Args) of a checkpoint file or run dir, the policy loaded into agent;
-    a one-line error for anything that is not a checkpoint of this code."""
+    """(file, checkpoint, its Args) of a checkpoint file or run dir, the policy into agent; else a one-line error."""
     path = os.path.join(path, "checkpoint.pt") if os.path.isdir(path) else path
     if not os.path.isfile(path):
         fail(f"no checkpoint at {path}")
@@ -402,13 +362,6 @@ def load_checkpoint(path, agent=None):
     return path, checkpoint, saved
 
 
-def save_checkpoint(path, state):
-    tmp = path + ".tmp"
-    torch.save(state, tmp)
-    os.replace(tmp, path)  # never leave a half-written checkpoint
-
-
-# -- Setup, evaluation, training ---------------------------------------------------------------------
 def parse_args(argv=None) -> Args:
     args = tyro.cli(Args, args=argv)
     if args.eval is not None:
@@ -418,13 +371,11 @@ def parse_args(argv=None) -> Args:
     if args.resume is not None:
         path, _, saved = load_checkpoint(args.resume)
         defaults = Args()
-        for name in (f.name for f in dataclasses.fields(Args) if f.name not in ("resume", "run_dir")):
-            if getattr(args, name) != getattr(defaults, name):
-                if name not in RESUME_OVERRIDES:
-                    print(f"--resume: ignoring --{name.replace('_', '-')}; the run keeps its saved value",
-                          file=sys.stderr)
-                    continue
+        for name in [f.name for f in dataclasses.fields(Args) if getattr(args, f.name) != getattr(defaults, f.name)]:
+            if name in RESUME_OVERRIDES:
                 setattr(saved, name, getattr(args, name))
+            elif name not in ("resume", "run_dir"):
+                print(f"--resume: ignoring --{name.replace('_', '-')}; the run keeps its saved value", file=sys.stderr)
         saved.resume, saved.run_dir = path, os.path.dirname(path)
         args = saved
     if args.task not in envs.TASKS:
@@ -446,36 +397,29 @@ def parse_args(argv=None) -> Args:
 
 
 def pick_device(name):
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    name = ("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name
     try:
-        device = torch.device(name)
-        torch.empty(1, device=device)
+        torch.empty(1, device=name)
     except Exception as error:
         fail(f"cannot use device {name!r}: {str(error).splitlines()[0]}")
-    return device
-
-
-def to_device(obs, device):
-    return {k: v.to(device, non_blocking=True) for k, v in obs.items()}
+    return torch.device(name)
 
 
 def evaluate(args):
     device = pick_device(args.device)
     agent = Agent().to(device).eval()
     path, _, saved = load_checkpoint(args.eval, agent)
+    torch.manual_seed(saved.seed)  # the same actions each time, and the same random ones with --eval-random
     n = min(args.eval_episodes, 16)
     first_seed = 10_000_019 * (saved.seed + 1)  # episodes no training run plays
     pool = [envs.make_env(saved.task, seed=first_seed + i, max_episode_steps=saved.max_episode_steps) for i in range(n)]
     obs = [env.reset()[0] for env in pool]
-    h = torch.zeros(n, agent.hidden_size, device=device)
-    results, started = [], n
-    active = list(range(n))
+    h = torch.zeros(n, agent.gru.hidden_size, device=device)
+    results, started, active = [], n, list(range(n))
     with torch.no_grad():
         while active:
-            batch = {k: torch.from_numpy(np.stack([obs[i][k] for i in active])) for k in OBS_FIELDS}
-            logits, _, h_new = agent.step(to_device(batch, device), h[active])
-            h[active] = h_new
+            batch = {k: torch.from_numpy(np.stack([obs[i][k] for i in active])).to(device) for k in OBS_FIELDS}
+            logits, _, h[active] = agent.step(batch, h[active])
             if args.eval_random:
                 logits = torch.zeros_like(logits)
             actions = torch.distributions.Categorical(logits=logits).sample().tolist()
@@ -497,52 +441,25 @@ def evaluate(args):
     return summary
 
 
-class Logger:
-    """Tensorboard scalars, and wandb behind --track."""
-
-    def __init__(self, args):
-        from torch.utils.tensorboard import SummaryWriter
-        if args.track:
-            try:
-                import wandb
-            except ImportError:
-                fail("--track needs wandb: pip install wandb")
-            wandb.init(project=args.wandb_project, config=dataclasses.asdict(args), sync_tensorboard=True,
-                       name=os.path.basename(args.run_dir), dir=args.run_dir, resume="allow")
-        self.writer = SummaryWriter(args.run_dir)
-        self.writer.add_text("args", "\n".join(f"{k}: {v}" for k, v in dataclasses.asdict(args).items()))
-
-    def scalars(self, prefix, values, step):
-        for k, v in values.items():
-            if isinstance(v, (int, float)):  # not the annotator's "fatal" line: that ends the run
-                self.writer.add_scalar(f"{prefix}/{k}", v, step)
-
-
 @dataclass
 class Run:
     """What the inference loop (main thread) and the learner thread share during training."""
     args: Args
     device: torch.device
-    agent: Agent  # the learner's
-    acting_agent: Agent  # a copy for inference, refreshed after every update under weights_lock
+    agent: Agent  # the learner's; acting_agent: its copy for inference, refreshed after every update
+    acting_agent: Agent
     optimizer: torch.optim.Optimizer
     intrinsic: reward_models.IntrinsicReward
     client: annotator.LabelClient | None  # the annotator's: label requests out, labels in
-    logger: "Logger"
-    buffers: dict
+    writer: object  # tensorboard's SummaryWriter; wandb syncs from it with --track
     counters: dict  # env_steps, updates (= the policy version), episodes
-    envs_per_slot: int  # a slot is one half of a worker's envs, stepped together
-    buffers_per_batch: int
-    # the learner's per-update figures, drained by each progress log (deques are thread-safe)
-    updates: collections.deque = field(default_factory=collections.deque)
+    updates: collections.deque = field(default_factory=collections.deque)  # figures of each update, for the log
     losses: dict = field(default_factory=dict)
     run_figures: dict = field(default_factory=lambda: collections.defaultdict(list))  # for summary.json
     error: BaseException | None = None  # a learner crash or fatal LLM error, re-raised by the main thread
     worker_failure: str | None = None
-    start_steps: int = 0  # this session's, for steps/s
-    start_time: float = field(default_factory=time.time)
-    # weights_lock: the optimizer step, the inference copy and the counters change together, and
-    # checkpoints (taken by the learner between updates) always see a whole update
+    start_time: float = 0.0
+    # the optimizer step, the inference copy and the counters change together under it: checkpoints see whole updates
     weights_lock: threading.Lock = field(default_factory=threading.Lock)
     stop: threading.Event = field(default_factory=threading.Event)
     checkpoint_due: threading.Event = field(default_factory=threading.Event)
@@ -550,19 +467,25 @@ class Run:
     full: queue.Queue = field(default_factory=queue.Queue)  # complete rollouts, in the order they ended
 
     def __post_init__(self):
-        num_slots, num_envs = 2 * self.args.num_workers, 2 * self.args.num_workers * self.envs_per_slot
-        self.buffer_slot = [0] * len(self.buffers["h0"])  # which slot filled each buffer
-        self.slot_buffer, self.slot_t = [0] * num_slots, [0] * num_slots
-        self.hidden = torch.zeros(num_slots, self.envs_per_slot, self.agent.hidden_size, device=self.device)
-        # per slot, its own seeded stream of sampling noise: the same seed gives the same actions
-        # whichever slots happen to be batched together
-        self.samplers = [torch.Generator().manual_seed(self.args.seed * 1_000_003 + 7919 * s + self.counters["updates"])
+        args = self.args
+        num_slots, num_envs = 2 * args.num_workers, args.num_workers * args.num_envs_per_worker
+        self.envs_per_slot = args.num_envs_per_worker // 2  # a slot is one half of a worker's envs, stepped together
+        self.buffers_per_batch = args.batch_size // (args.rollout * self.envs_per_slot)
+        # slots in flight + one batch, which fills while the learner learns; more would only add policy lag
+        self.buffers = make_buffers(num_slots + self.buffers_per_batch, args.rollout, self.envs_per_slot)
+        for b in range(num_slots, len(self.buffers["h0"])):  # slot s starts in buffer s
+            self.free.put(b)
+        self.start_steps = self.counters["env_steps"]  # this session's, for steps/s
+        self.slot_buffer, self.slot_t = list(range(num_slots)), [0] * num_slots
+        self.buffer_slot = list(range(num_slots)) + [0] * self.buffers_per_batch  # which slot filled each buffer
+        self.hidden = torch.zeros(num_slots, self.envs_per_slot, self.agent.gru.hidden_size, device=self.device)
+        # each slot samples from its own stream: the same seed gives the same actions whichever slots are batched
+        self.samplers = [torch.Generator().manual_seed(args.seed * 1_000_003 + 7919 * s + self.counters["updates"])
                          for s in range(num_slots)]
-        # per env: the workers' statistics of finished episodes and the learner's intrinsic totals of
-        # them, joined in the progress log; the learner's totals of the episodes in progress
+        # per env, the workers' finished episodes and the learner's intrinsic totals of them, joined in the log
         self.pending = [collections.deque() for _ in range(num_envs)]
         self.finished = [collections.deque() for _ in range(num_envs)]
-        self.intrinsic_totals = np.zeros((num_envs, 3))
+        self.intrinsic_totals = np.zeros((num_envs, 3))  # of the episodes in progress
 
 
 def train(args):
@@ -594,9 +517,7 @@ def set_up(args) -> Run:
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
     device = pick_device(args.device)
-    envs_per_slot = args.num_envs_per_worker // 2
-    buffers_per_batch = args.batch_size // (args.rollout * envs_per_slot)
-    agent, acting_agent = Agent().to(device), Agent().to(device)
+    agent, acting_agent = Agent().to(device), Agent().to(device).eval()
     optimizer = torch.optim.Adam(agent.parameters(), lr=args.lr, eps=1e-5)
     counters = {"env_steps": 0, "updates": 0, "episodes": 0}
     intrinsic = reward_models.IntrinsicReward(args, device)
@@ -604,26 +525,33 @@ def set_up(args) -> Run:
         _, checkpoint, _ = load_checkpoint(args.resume, agent)
         optimizer.load_state_dict(checkpoint["optimizer"])
         counters.update(checkpoint["counters"])
+        episodes = os.path.join(args.run_dir, "episodes.jsonl")
+        if os.path.exists(episodes):  # the steps after the checkpoint are played again: so are their episodes
+            with open(episodes) as f:
+                kept = [e for e in f if e.endswith("\n") and json.loads(e).get("env_steps", 0) <= counters["env_steps"]]
+            with open(episodes, "w") as f:
+                f.writelines(kept)
         labels = os.path.join(args.run_dir, annotator.LABELS_FILE)
         if os.path.exists(labels):  # the labels so far come back from the run's file, not asked again
             intrinsic.add_labels(annotator.read_labels(labels))
         intrinsic.load_state_dict(checkpoint.get("intrinsic", {}))
         print(f"resumed from {args.resume} at {counters['env_steps']:,} env steps")
     acting_agent.load_state_dict(agent.state_dict())
-    acting_agent.eval()
     client = annotator.LabelClient(args) if args.reward_type in reward_models.NEEDS_LLM else None
-    logger = Logger(args)
+    from torch.utils.tensorboard import SummaryWriter
+    if args.track:
+        try:
+            import wandb
+        except ImportError:
+            fail("--track needs wandb: pip install wandb")
+        wandb.init(project=args.wandb_project, config=dataclasses.asdict(args), sync_tensorboard=True,
+                   name=os.path.basename(args.run_dir), dir=args.run_dir, resume="allow")
+    writer = SummaryWriter(args.run_dir)
+    writer.add_text("args", "\n".join(f"{k}: {v}" for k, v in dataclasses.asdict(args).items()))
     if client is not None:  # the annotator subprocess and, without --llm-url, the embedded server
         client.start(args.run_dir, known=intrinsic.known_keys())
     intrinsic.start()
-    # slots in flight + one batch: the learner copies a batch out and frees its buffers at once, so
-    # one more batch fills while it learns. More would only queue data that grows older (policy lag).
-    buffers = make_buffers(2 * args.num_workers + buffers_per_batch, args.rollout, envs_per_slot)
-    run = Run(args, device, agent, acting_agent, optimizer, intrinsic, client, logger, buffers, counters,
-              envs_per_slot, buffers_per_batch, start_steps=counters["env_steps"])
-    for b in range(len(buffers["h0"])):
-        run.free.put(b)
-    return run
+    return Run(args, device, agent, acting_agent, optimizer, intrinsic, client, writer, counters)
 
 
 def start_workers(run):
@@ -637,10 +565,7 @@ def start_workers(run):
         proc.start()
         conns.append(parent)
         workers.append(proc)
-    for s in range(len(run.slot_buffer)):  # every slot resets its envs into a first buffer
-        run.slot_buffer[s] = run.free.get()
-        run.buffer_slot[run.slot_buffer[s]] = s
-        run.buffers["h0"][run.slot_buffer[s]] = 0.0
+    for s in range(len(run.slot_buffer)):  # every slot resets its envs into its first buffer
         conns[s // 2].send((s % 2, run.slot_buffer[s], -1))
     return conns, workers
 
@@ -657,29 +582,22 @@ def stop_on_signals(stop):
 
 def stop_workers(conns, workers):
     for conn in conns:
-        try:
+        with contextlib.suppress(OSError):  # a dead worker's pipe is broken
             conn.send(None)
-        except (BrokenPipeError, OSError):
-            pass
     for proc in workers:
         proc.join(timeout=5)
         if proc.is_alive():
             proc.terminate()
 
 
-# -- The main thread: inference on whichever slots are ready -----------------------------------------
 def collect(run, conns):
-    """Until the step budget or a stop: hand complete rollouts to the learner, act for the slots
-    whose envs have stepped, log, and ask the learner for periodic checkpoints."""
+    """Until the step budget or a stop: act for ready slots, hand full rollouts to the learner, log, checkpoint."""
     waiting, last_log, last_checkpoint = [], time.time(), time.time()
     while run.counters["env_steps"] < run.args.total_env_steps and not run.stop.is_set():
-        ready, waiting = waiting + receive(run, conns), []  # slots that waited for a free buffer first
-        acting = []
-        for s in ready:
-            if run.slot_t[s] == run.args.rollout and not hand_over(run, s):
-                waiting.append(s)  # back-pressure: no free buffer, the learner is behind
-            else:
-                acting.append(s)
+        ready = waiting + receive(run, conns)  # slots that waited for a free buffer first
+        # back-pressure: a slot at the end of its rollout waits while no buffer is free (the learner is behind)
+        waiting = [s for s in ready if run.slot_t[s] == run.args.rollout and not hand_over(run, s)]
+        acting = [s for s in ready if s not in waiting]
         if acting:
             act(run, conns, acting)
         now = time.time()
@@ -711,8 +629,7 @@ def receive(run, conns):
 
 
 def hand_over(run, s):
-    """Slot s finished its rollout: queue it for the learner and go on in a free buffer from its last
-    observation and state. False if no buffer is free."""
+    """Slot s's rollout is full: queue it for the learner, go on in a free buffer (False: none is free)."""
     try:
         new = run.free.get_nowait()
     except queue.Empty:
@@ -728,17 +645,16 @@ def hand_over(run, s):
 
 
 def act(run, conns, slots):
-    """One batched inference step for these slots: actions, log-probs and the policy version into
-    their buffers at their step t, then each slot's worker steps its envs."""
+    """One batched inference step for these slots, written into their buffers at their t; then their workers step."""
     buffers, n = run.buffers, run.envs_per_slot
     bs = torch.tensor([run.slot_buffer[s] for s in slots])
     ts = torch.tensor([run.slot_t[s] for s in slots])
-    obs = {k: buffers[k][bs, ts].flatten(0, 1) for k in OBS_FIELDS}
+    obs = {k: buffers[k][bs, ts].flatten(0, 1).to(run.device) for k in OBS_FIELDS}
     # at t = 0 the state was carried over at the hand-over; after that, reset where an episode ended
     prev_end = torch.where(ts[:, None] > 0, buffers["end"][bs, (ts - 1).clamp(min=0)], End.RUNNING)
     h = carry_state(run.hidden[slots], prev_end.to(run.device))
     with torch.no_grad(), run.weights_lock:
-        logits, _, h_new = run.acting_agent.step(to_device(obs, run.device), h.flatten(0, 1))
+        logits, _, h_new = run.acting_agent.step(obs, h.flatten(0, 1))
         version = run.counters["updates"]
     # Gumbel-max sampling from each slot's own stream of noise
     noise = torch.cat([torch.rand(n, logits.shape[1], generator=run.samplers[s]) for s in slots])
@@ -754,10 +670,9 @@ def act(run, conns, slots):
     run.counters["env_steps"] += len(slots) * n
 
 
-# -- The learner thread ------------------------------------------------------------------------------
 def learn(run):
-    """Batches of complete rollouts -> each step's reward (extrinsic + intrinsic) -> one APPO update;
-    then the LLM's new labels go to the intrinsic reward."""
+    """Batches of full rollouts -> rewards (extrinsic + intrinsic) -> one APPO update; then the new LLM labels go in."""
+    torch.set_num_threads(TORCH_THREADS)  # the reward-model trainer's setting must not become this thread's
     try:
         while (ids := next_batch(run)) is not None:
             batch, step_message, env_ids, lag = take_batch(run, ids)
@@ -771,7 +686,6 @@ def learn(run):
                 run.client.check()  # a fatal LLM error stops the run; a dead annotator is restarted
                 run.intrinsic.add_labels(run.client.new_records())
                 run.client.request(*run.intrinsic.label_requests())
-            # where the learner's time goes (tensorboard losses/time_*)
             run.losses = dict(losses, **run.intrinsic.train_stats(), time_intrinsic_s=intrinsic_done - started,
                               time_policy_s=time.perf_counter() - intrinsic_done)
             run.updates.append(dict(reward_stats, lag_mean=lag.mean().item(), lag_max=lag.max().item()))
@@ -783,8 +697,7 @@ def learn(run):
 
 
 def next_batch(run):
-    """The ids of the next buffers_per_batch complete rollouts (None once stopped); checkpoints when
-    due, between two updates."""
+    """The ids of the next buffers_per_batch complete rollouts (None once stopped); checkpoints when due."""
     ids = []
     while len(ids) < run.buffers_per_batch:
         if run.stop.is_set():
@@ -792,23 +705,19 @@ def next_batch(run):
         if run.checkpoint_due.is_set():
             run.checkpoint_due.clear()
             save(run)
-        try:
+        with contextlib.suppress(queue.Empty):
             ids.append(run.full.get(timeout=0.5))
-        except queue.Empty:
-            pass
     return ids
 
 
 def take_batch(run, ids):
     """Copies the rollouts out of their buffers ([buffer, t, env] -> [t, buffer * env]) and frees them."""
     index = torch.tensor(ids)
-
-    def gather(key):
-        return run.buffers[key][index].transpose(0, 1).flatten(1, 2)
-    batch = {"obs": {k: gather(k) for k in OBS_FIELDS}, "h0": run.buffers["h0"][index].flatten(0, 1)}
-    batch.update({k: gather(k) for k in ("action", "logprob", "end", "reward", "step_count")})
-    batch = {k: to_device(v, run.device) if k == "obs" else v.to(run.device) for k, v in batch.items()}
-    step_message = gather("step_message")  # stays on the CPU: the reward finds its distinct messages there
+    rollouts = {k: v[index].transpose(0, 1).flatten(1, 2) for k, v in run.buffers.items() if k not in ("h0", "version")}
+    batch = {k: rollouts[k].to(run.device) for k in ("action", "logprob", "end", "reward", "step_count")}
+    batch["obs"] = {k: rollouts[k].to(run.device) for k in OBS_FIELDS}
+    batch["h0"] = run.buffers["h0"][index].flatten(0, 1).to(run.device)
+    step_message = rollouts["step_message"]  # stays on the CPU: the reward finds its distinct messages there
     env_ids = np.concatenate([run.buffer_slot[b] * run.envs_per_slot + np.arange(run.envs_per_slot) for b in ids])
     lag = run.counters["updates"] - run.buffers["version"][index].float()
     for b in ids:
@@ -830,15 +739,21 @@ def update_policy(run, batch, rewards):
 
 def save(run):
     with run.weights_lock:
-        state = {"model": run.agent.state_dict(), "optimizer": run.optimizer.state_dict(),
-                 "counters": dict(run.counters), "args": dataclasses.asdict(run.args),
-                 "intrinsic": run.intrinsic.state_dict()}
-    save_checkpoint(os.path.join(run.args.run_dir, "checkpoint.pt"), state)
+        state = dict(model=run.agent.state_dict(), optimizer=run.optimizer.state_dict(), counters=dict(run.counters),
+                     args=dataclasses.asdict(run.args), intrinsic=run.intrinsic.state_dict())
+    path = os.path.join(run.args.run_dir, "checkpoint.pt")
+    torch.save(state, path + ".tmp")
+    os.replace(path + ".tmp", path)  # never leave a half-written checkpoint
 
 
-# -- Progress, summary -------------------------------------------------------------------------------
+def add_scalars(writer, prefix, values, step):
+    for k, v in values.items():
+        if isinstance(v, (int, float)):  # not the annotator's "fatal" line: that ends the run
+            writer.add_scalar(f"{prefix}/{k}", v, step)
+
+
 def log_progress(run, episodes, now):
-    steps, logger = run.counters["env_steps"], run.logger
+    steps, writer = run.counters["env_steps"], run.writer
     sps = (steps - run.start_steps) / (now - run.start_time)
     window = [run.updates.popleft() for _ in range(len(run.updates))]  # updates since the last log
     figures = {k: [u[k] for u in window if k in u] for k in {k for u in window for k in u}}
@@ -847,15 +762,12 @@ def log_progress(run, episodes, now):
         run.run_figures[k].append(v)
     lag_mean, lag_max = figures.pop("lag_mean", 0.0), int(figures.pop("lag_max", 0))
     llm = run.client.stats() if run.client is not None else {}
-    logger.scalars("charts", {"SPS": sps, "policy_lag_mean": lag_mean, "policy_lag_max": lag_max,
-                              "updates": run.counters["updates"]}, steps)
-    logger.scalars("losses", run.losses, steps)
-    logger.scalars("intrinsic", figures, steps)
-    logger.scalars("llm", llm, steps)
+    charts = {"SPS": sps, "policy_lag_mean": lag_mean, "policy_lag_max": lag_max, "updates": run.counters["updates"]}
+    for prefix, values in (("charts", charts), ("losses", run.losses), ("intrinsic", figures), ("llm", llm)):
+        add_scalars(writer, prefix, values, steps)
     for e in episodes:
-        logger.writer.add_scalar("charts/episodic_return", e["return"], steps)
-        logger.writer.add_scalar("charts/episodic_length", e["steps"], steps)
-        logger.scalars("episode", {k: v for k, v in e.items() if k != "env_steps"}, steps)
+        add_scalars(writer, "charts", {"episodic_return": e["return"], "episodic_length": e["steps"]}, steps)
+        add_scalars(writer, "episode", {k: v for k, v in e.items() if k != "env_steps"}, steps)
     if episodes:
         with open(os.path.join(run.args.run_dir, "episodes.jsonl"), "a") as f:
             f.writelines(json.dumps(e) + "\n" for e in episodes)
@@ -869,25 +781,27 @@ def log_progress(run, episodes, now):
 
 def finish(run):
     """The last log, checkpoint, messages.tsv and summary.json; a stop for a failure is a one-line error."""
-    args = run.args
+    args, figures = run.args, run.run_figures
     log_progress(run, join_episodes(run.pending, run.finished, final=True), time.time())
     save(run)
     run.intrinsic.write_messages(os.path.join(args.run_dir, "messages.tsv"))
-    elapsed = time.time() - run.start_time
-    figures, llm = {k: v for k, v in run.run_figures.items() if v}, run.client.stats() if run.client else {}
-    summary = {"env_steps": run.counters["env_steps"], "updates": run.counters["updates"],
-               "episodes": run.counters["episodes"], "sps": (run.counters["env_steps"] - run.start_steps) / elapsed,
-               "wall_time_s": elapsed, "policy_lag_mean": float(np.mean(figures.get("lag_mean", [0.0]))),
+    elapsed, llm = time.time() - run.start_time, run.client.stats() if run.client else {}
+    summary = {**run.counters, "sps": (run.counters["env_steps"] - run.start_steps) / elapsed, "wall_time_s": elapsed,
+               "policy_lag_mean": float(np.mean(figures.get("lag_mean", [0.0]))),
                "intrinsic_max_reward": max(figures.get("max_reward", [0.0])),
                "intrinsic_terminal_step_reward": float(np.mean(figures["terminal_step_reward"]))
                if "terminal_step_reward" in figures else None}
-    summary.update(episode_means(args.run_dir))
+    path = os.path.join(args.run_dir, "episodes.jsonl")  # all the run's episodes, resumed runs included
+    episodes = [json.loads(line) for line in open(path)] if os.path.exists(path) else []
+    summary["mean_episode_return"] = float(np.mean([e["return"] for e in episodes])) if episodes else None
+    for k in sorted({k for e in episodes for k in e} - {"return", "env_steps"}):
+        summary[f"mean_{k}"] = float(np.mean([e[k] for e in episodes if k in e]))
     summary.update({"llm_labels": llm.get("labels", 0), "llm_failures": llm.get("failures", 0),
                     "llm_parse_failures": llm.get("parse_failures", 0), "annotator_restarts": llm.get("restarts", 0),
                     "llm_answers_restricted": llm.get("answers_restricted")})  # None: chat prompts, or no LLM
     with open(os.path.join(args.run_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
-    run.logger.writer.close()
+    run.writer.close()
     failure = str(run.error).removeprefix("error: ") if isinstance(run.error, SystemExit) else run.worker_failure
     if failure:
         fail(f"{failure}; checkpoint saved, continue with --resume {args.run_dir}")
@@ -896,25 +810,9 @@ def finish(run):
     return summary
 
 
-def episode_means(run_dir):
-    """Means over the run's episodes (episodes.jsonl holds them all, resumed runs included)."""
-    path = os.path.join(run_dir, "episodes.jsonl")
-    episodes = [json.loads(line) for line in open(path)] if os.path.exists(path) else []
-    if not episodes:
-        return {"mean_episode_return": None}
-    keys = {k for e in episodes for k in e} - {"return", "env_steps"}
-    out = {"mean_episode_return": float(np.mean([e["return"] for e in episodes]))}
-    out.update({f"mean_{k}": float(np.mean([e[k] for e in episodes if k in e])) for k in sorted(keys)})
-    return out
-
-
-def main(argv=None):
-    args = parse_args(argv)
+if __name__ == "__main__":
+    args = parse_args()
     if args.eval is not None:
         evaluate(args)
     else:
         train(args)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,10 +1,8 @@
 """ONI's intrinsic rewards: how LLM labels of messages become a reward for every step,
-
-    r = c_ext * clip(r_env * scale, -clip, clip) + c_int * R(message) / N(message)^beta
-
-N: how often the exact message was seen in the episode so far (envs.py counts it). R: from the piece of the
-reward type (PIECES), chosen once, which scores distinct messages and learns from new labels. A step's message
-is that of the observation it produced: a death is scored with its own last message, not the next episode's first."""
+r = c_ext * clip(r_env * scale, -clip, clip) + c_int * R(message) / N(message)^beta, where N is how often the message
+was seen in the episode so far (envs.py counts it) and R comes from the reward type's piece (PIECES), which scores
+distinct messages and learns from new labels. A step's message is that of the observation it produced: a death is
+scored with its own last message, not the next episode's first."""
 import collections
 import copy
 import random
@@ -22,15 +20,14 @@ import envs
 SMALL_SET = 25_000  # below this many labels, train 32 steps per 100 new labels (the reference merged
 BURST = 32  # its client's newest 100 labels at once, then trained 32 steps): a first fit of 32 steps,
 STEPS_PER_LABEL = BURST / 100  # then 0.32 steps per label as labels arrive, at most 32 per burst
-# the trainer thread trains at most this share of wall time, on half the learner's threads: on 2 cores
-TRAIN_SHARE = 0.2  # it takes ~10% of the CPU from the learner, what ranking >= 0.9 of none's speed allows
+TRAIN_SHARE = 0.2  # the trainer's cap on wall time (half the threads): on 2 cores ranking keeps 0.9 of none's speed
 PAIR_POOL_EVERY = 10  # every 10th step's message enters the pool that ranking pairs are drawn from
 PAIR_POOL_SIZE = 100_000  # beyond this the pool is a uniform sample of all of them
 PAIRS_PER_BATCH = 8  # ranking asks the LLM this many pairs per learner batch
 RECENT_BATCHES = 8  # ranking statistics are taken over the steps of the last 8 learner batches
 RANKING_CLIP = 5.0  # a ranking reward is a z-score: at most 5 standard deviations
 MIN_SPREAD = 0.5  # ...of a model whose outputs differ by at least this (Bradley-Terry log-odds)
-FIT_RECALL = 0.9  # the classifier pays once it recalls this share of each class in its latest minibatch
+FIT_RECALL = 0.9  # the classifier pays once it recalls this share of each class of its labels
 RETRY_S = 60.0  # a caption still unanswered this long after it was asked is asked again
 
 
@@ -118,7 +115,7 @@ class NoReward:
     def add_labels(self, records):
         for record in records:
             if "pair" in record:
-                self.pairs.append((*record["pair"], annotator.preference_probability(record["preference"])))
+                self.pairs.append((*record["pair"], {1: 1.0, 2: 0.0}.get(record["preference"], 0.5)))
             elif record["label"] is not None:
                 self.labels[record["caption"]] = float(record["label"])
 
@@ -262,7 +259,7 @@ class Classification(TrainedModel):
     def __init__(self, args, device):
         super().__init__(args, device, nn.Sequential(
             nn.Linear(128, 512), nn.ReLU(), nn.Dropout(0.1), nn.Linear(512, 512), nn.ReLU(), nn.Dropout(0.1), nn.Linear(512, 2)))
-        self.data, self.fitted = self.labels, False
+        self.data = self.labels
 
     def reward(self, published, rows):
         return (published["model"](rows).softmax(-1)[:, 1] > 0.5).float() * published["fitted"]
@@ -273,12 +270,17 @@ class Classification(TrainedModel):
         labels = torch.tensor([int(v) for _, v in items], device=self.device)
         share = labels.float().mean().clamp(0.01, 0.99)  # class-balanced: both classes weigh half
         logits = outputs(self.model.train(), [t for t, _ in items], self.device)
-        hits = logits.argmax(-1) == labels  # pays only once it tells its own labels apart
-        self.fitted = all((labels == c).any() and hits[labels == c].float().mean() >= FIT_RECALL for c in (0, 1))
         return F.cross_entropy(logits, labels, weight=torch.stack([0.5 / (1 - share), 0.5 / share]))
 
+    def scoring(self, model):  # it pays once, as published (eval mode), it tells its labels of each class apart
+        with self.lock:
+            by_class = [[text for text, label in self.labels.items() if label == c] for c in (0.0, 1.0)]
+        with torch.no_grad():  # (a minibatch often holds no rare "helpful" label: judged over up to 1,024 a class)
+            recall = [(outputs(model, self.rng.sample(texts, min(len(texts), 1024)), self.device).argmax(-1) == c)
+                      .float().mean().item() if texts else 0.0 for c, texts in enumerate(by_class)]
+        return {"fitted": min(recall) >= FIT_RECALL}
+
     def ready(self): return {0.0, 1.0} <= set(self.labels.values())  # a boundary needs both classes among the labels
-    def scoring(self, model): return {"fitted": self.fitted}
 
 
 class Ranking(TrainedModel):
@@ -355,14 +357,14 @@ class IntrinsicReward:
     def add_labels(self, records):  # the LLM's new answers, --labels-from, or on resume the run's labels.jsonl
         for record in records:
             if "caption" in record and self.piece.asks == "captions":
-                if record["label"] is None:  # unparseable twice: asked again after RETRY_S
+                if record["label"] is None and record["caption"] not in self.piece.labels:  # asked again after RETRY_S
                     self.asked[record["caption"]] = time.time()
                 else:
                     self.asked.pop(record["caption"], None)
         self.piece.add_labels(records)
 
     def known_keys(self) -> set[str]:  # captions answered and pairs compared: what the annotator need not ask again
-        return set(self.piece.labels) | {annotator.pair_key(a, b) for a, b, _ in self.piece.pairs}
+        return set(self.piece.labels) | {annotator.item_key((a, b)) for a, b, _ in self.piece.pairs}
 
     def rewards(self, env_reward, messages, counts, terminal):
         """env_reward, counts, terminal (the step ended its episode): [T, B]; messages: [T, B, 256] uint8 on the
@@ -412,7 +414,8 @@ class IntrinsicReward:
             self.asked.update(dict.fromkeys(again, now))
             captions, self.last_retry = captions + again, now
         wanted, self.batches_to_pair = PAIRS_PER_BATCH * self.batches_to_pair, 0
-        return captions, [tuple(self.rng.sample(self.pair_pool, 2)) for _ in range(wanted) if len(self.pair_pool) >= 2]
+        pairs = [tuple(self.rng.sample(self.pair_pool, 2)) for _ in range(wanted) if len(self.pair_pool) >= 2]
+        return captions, [(a, b) for a, b in pairs if a != b]  # the pool repeats common messages: no self-pairs
 
     def state_dict(self) -> dict:
         return {"pair_pool": self.pair_pool, "pool_offers": self.pool_offers, "steps_seen": self.steps_seen,

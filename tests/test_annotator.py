@@ -90,7 +90,7 @@ def test_labels_pairs_and_the_labels_file(fake, tmp_path):
     assert a.wait_for(lambda: len(a.labels) == 6)
     a.close()
     assert {c: a.labels[c] for c in CAPTIONS} == expected_labels()
-    assert a.labels[annotator.pair_key("It's a wall.", "You kill the newt!")] == 2
+    assert a.labels[annotator.item_key(("It's a wall.", "You kill the newt!"))] == 2
     assert a.stats["labels"] == 6 and a.stats["requests"] == 6 and a.stats.get("failures", 0) == 0
     lines = [json.loads(x) for x in open(tmp_path / annotator.LABELS_FILE)]
     assert len(lines) == 6 and {"pair": ["It's a wall.", "You kill the newt!"], "preference": 2} in lines
@@ -208,6 +208,19 @@ def test_slow_server_times_out_then_recovers(fake, tmp_path):
     assert a.wait_for(lambda: len(a.labels) == 2)
     a.close()
     assert a.labels == {c: v for c, v in expected_labels().items() if c in CAPTIONS[:2]}
+
+
+def test_a_caption_asked_again_while_in_flight_is_asked_once(fake, tmp_path):
+    fake.delay = 0.5  # the learner's retry of an unanswered caption can come while it is in flight
+    a = Annotator(fake.url, tmp_path)
+    a.send(CAPTIONS[:1])
+    assert a.wait_for(lambda: a.stats.get("in_flight", 0) == 1)
+    a.send(CAPTIONS[:1])
+    a.send(CAPTIONS[:1])
+    assert a.wait_for(lambda: len(a.labels) == 1)
+    time.sleep(1.0)
+    a.close()
+    assert a.stats["requests"] == 1 and a.log == [{"caption": CAPTIONS[0], "label": expected_labels()[CAPTIONS[0]]}]
 
 
 def test_garbage_answers_are_counted_retried_once_then_unknown(fake, tmp_path):
@@ -542,3 +555,14 @@ def test_llm_server_threads_and_gpu_memory(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         llm_server.main(["--backend", "vllm", "--model", "m", "--gpu-memory-utilization", "0.25"])
     assert started[0]["gpu_memory_utilization"] == 0.25
+
+
+def test_a_labels_file_cut_short_by_a_crash_still_resumes(tmp_path):
+    path, whole = tmp_path / annotator.LABELS_FILE, {"caption": "You kill the newt!", "label": 1}
+    path.write_text(json.dumps(whole) + "\n" + '{"caption": "It\'s a w')  # the last write, cut short
+    assert annotator.read_labels(path) == [whole]
+    path.write_text(json.dumps(whole))  # a whole last line without its newline (a file written by hand) is kept
+    assert annotator.read_labels(path) == [whole]
+    path.write_text('{"caption": "It\'s a w\n' + json.dumps(whole) + "\n")  # damage before the end is an error
+    with pytest.raises(SystemExit, match="cannot read labels"):
+        annotator.read_labels(path)

@@ -160,6 +160,9 @@ def test_end_to_end_on_nle_then_resume(tmp_path):
     assert checkpoint["counters"]["env_steps"] == summary["env_steps"]
     assert "steps/s" in first.stdout
 
+    with open(os.path.join(run_dir, "episodes.jsonl"), "a") as f:  # logged after the checkpoint, then a crash:
+        f.write(json.dumps({"return": 0.0, "steps": 1, "score": 12345, "env_steps": summary["env_steps"] + 1}) + "\n")
+        f.write('{"return": 1.0, "ste')  # and a line cut short
     second = run(["--resume", run_dir, "--total-env-steps", "14000"])
     assert second.returncode == 0, second.stderr[-2000:]
     assert f"resumed from {run_dir}/checkpoint.pt at {summary['env_steps']:,} env steps" in second.stdout
@@ -168,7 +171,7 @@ def test_end_to_end_on_nle_then_resume(tmp_path):
     assert torch.load(os.path.join(run_dir, "checkpoint.pt"), weights_only=False)["args"]["seed"] == 3
 
     episodes = [json.loads(line) for line in open(os.path.join(run_dir, "episodes.jsonl"))]
-    assert len(episodes) == resumed["episodes"]
+    assert len(episodes) == resumed["episodes"] and all(e["score"] != 12345 for e in episodes)  # played again
     assert all(e["intrinsic_return"] == 0.0 for e in episodes if "intrinsic_return" in e)  # reward type none
     assert sum("intrinsic_return" in e for e in episodes) >= len(episodes) - 16  # all but those the learner missed
     assert all(0 < e["env_steps"] <= resumed["env_steps"] for e in episodes)
@@ -201,6 +204,22 @@ def test_episode_intrinsic_returns_follow_each_env_across_rollouts_and_resets():
     joined = oni_appo.join_episodes(pending, finished)
     assert [(e["score"], e["intrinsic_return"]) for e in joined] == [(5, 1.25), (7, 0.5), (8, 4.0), (9, 6.0)]
     assert oni_appo.join_episodes(pending, finished, final=True) == [{"score": 12, "env_steps": 12}]
+
+
+def test_the_learner_thread_keeps_the_process_threads_beside_a_reward_model_trainer(monkeypatch):
+    """torch.set_num_threads in the trainer thread also sets the default of threads that start later."""
+    import threading
+    import reward_models
+    intrinsic = reward_models.IntrinsicReward(oni_appo.Args(reward_type="classification"), "cpu")
+    intrinsic.start()
+    time.sleep(0.5)  # the trainer thread has set its own threads
+    seen = []
+    monkeypatch.setattr(oni_appo, "next_batch", lambda run: seen.append(torch.get_num_threads()))  # then stops
+    learner = threading.Thread(target=oni_appo.learn, args=(None,))
+    learner.start()
+    learner.join()
+    intrinsic.close()
+    assert oni_appo.TORCH_THREADS == torch.get_num_threads() and seen == [oni_appo.TORCH_THREADS]
 
 
 def test_sigterm_saves_a_checkpoint_and_stops_the_workers(tmp_path):
@@ -450,14 +469,15 @@ def test_the_same_seed_gives_the_same_first_update(tmp_path, monkeypatch):
 
 def test_checkpoints_written_during_training_hold_whole_updates(tmp_path, monkeypatch):
     saved = []
-    real_save = oni_appo.save_checkpoint
+    real_save = oni_appo.save
 
-    def save(path, state):
+    def save(run):  # what each checkpoint written to disk holds
+        real_save(run)
+        state = torch.load(os.path.join(run.args.run_dir, "checkpoint.pt"), weights_only=False)
         steps = {int(s["step"]) for s in state["optimizer"]["state"].values()}
         saved.append((steps, state["counters"]["updates"]))
-        real_save(path, state)
 
-    monkeypatch.setattr(oni_appo, "save_checkpoint", save)
+    monkeypatch.setattr(oni_appo, "save", save)
     train_in_process(tmp_path, SMALL_RUN + ["--total-env-steps", "8000", "--checkpoint-every-s", "0"], monkeypatch)
     during = [s for s in saved if s[1] > 0][:-1]  # the last one is written after training stopped
     assert len(during) >= 5
@@ -487,7 +507,7 @@ def test_resume_takes_the_llm_flags_and_names_the_flags_it_ignores(tmp_path, cap
     import dataclasses
     path = str(tmp_path / "checkpoint.pt")
     saved = oni_appo.Args(reward_type="ranking", llm_model="wrong-model", run_dir=str(tmp_path))
-    oni_appo.save_checkpoint(path, {"model": {}, "counters": {}, "args": dataclasses.asdict(saved)})
+    torch.save({"model": {}, "counters": {}, "args": dataclasses.asdict(saved)}, path)
     args = oni_appo.parse_args(["--resume", path, "--llm-model", "right-model", "--prompt-file", "fixed.json",
                                 "--lr", "0.5"])
     assert (args.llm_model, args.prompt_file, args.lr, args.reward_type) == ("right-model", "fixed.json", 1e-4, "ranking")

@@ -159,7 +159,7 @@ def test_resume_reloads_labels_without_asking_again(tmp_path, monkeypatch):
     model.load_state_dict(model.state_dict())
     assert model.piece.labels == {"You kill the newt!": 1.0}
     assert model.piece.pairs == [("It's a wall.", "You kill the newt!", 0.0)]
-    assert model.known_keys() == {"You kill the newt!", annotator.pair_key("It's a wall.", "You kill the newt!")}
+    assert model.known_keys() == {"You kill the newt!", annotator.item_key(("It's a wall.", "You kill the newt!"))}
     model.rewards(torch.zeros(2, 1), rm.to_rows(["You kill the newt!", "It's a wall."]).view(2, 1, 256),
                   torch.ones(2, 1, dtype=torch.int32), torch.zeros(2, 1, dtype=torch.bool))
     assert model.label_requests() == (["It's a wall."], [])  # the labelled caption is not asked again
@@ -382,6 +382,28 @@ def test_a_classifier_pays_only_once_it_tells_its_labels_apart(seed):
     assert model.piece.published["fitted"] and paid_sensibly(unhelpful)
     R = model.piece.score(rm.to_rows(helpful + unhelpful), helpful + unhelpful)
     assert R.sum() >= 1  # and, fitted, it does pay
+
+
+def test_a_fitted_classifier_keeps_paying_when_helpful_labels_are_rare():
+    """2 helpful labels among 302: a training minibatch of 256 often holds none. Whether the model
+    pays is judged on the published model over the labels, not on the last minibatch (which switched
+    the reward off in ~1 of 8 bursts)."""
+    torch.manual_seed(0)
+    model = rm.IntrinsicReward(make_args(reward_type="classification"), "cpu")
+    helpful, unhelpful = ["You kill the newt!", "You see here 5 gold pieces."], [f"The thing {i} bites!" for i in range(300)]
+    model.add_labels([{"caption": c, "label": 1} for c in helpful] + [{"caption": c, "label": 0} for c in unhelpful])
+    model.piece.optimizer.param_groups[0]["lr"] = 1e-3
+    for _ in range(30):
+        model.piece.train_now(10)
+        if model.piece.published["fitted"]:
+            break
+    fitted = []
+    for _ in range(30):
+        model.piece.train_now(1)
+        fitted.append(model.piece.published["fitted"])
+    assert all(fitted), fitted
+    R = model.piece.score(rm.to_rows(helpful + unhelpful[:20]), helpful + unhelpful[:20])
+    assert R[:2].tolist() == [1.0, 1.0] and not R[2:].any()
 
 
 def test_every_caption_seen_is_labelled_after_the_backlog_overflowed(tmp_path, monkeypatch):

@@ -217,11 +217,11 @@ class Labeler:
 
 class LabelTable(dict):
     """The one label channel, in the Manager's process (it outlives a restarted annotator): item_key -> its latest
-    record, and every record as written (a caption asked again appears again), for the learner to read in bulk."""
+    record, and the records as written (a caption asked again appears again) until the learner has read them."""
 
     def __init__(self):
         super().__init__()
-        self.written = []
+        self.written, self.read = [], 0  # read: records the learner has taken, dropped (2e9 steps: millions)
 
     def put(self, entries):  # [(key, record)]: one turn of the annotator's loop, one round trip
         for key, record in entries:
@@ -229,8 +229,10 @@ class LabelTable(dict):
             self.written.append(record)
 
     def since(self, cursor: int):  # (the records written after the first `cursor` ones, the new cursor)
+        del self.written[:max(0, cursor - self.read)]
+        self.read = max(self.read, cursor)
         end = len(self.written)  # first: a record appended between the two reads would be skipped for good
-        return self.written[cursor:end], end
+        return self.written[:end], self.read + end
 
     def settled(self) -> list:  # not to be asked again: pairs (a tie is an answer), captions with a label
         return [key for key, record in self.items() if record.get("label", 0) is not None]

@@ -101,12 +101,6 @@ class Args:
     """also log to Weights & Biases (needs `pip install wandb`)"""
     wandb_project: str = "oni"
     """wandb project"""
-    eval: str | None = None
-    """evaluate this checkpoint (file or run dir) instead of training, then exit"""
-    eval_episodes: int = 10
-    """episodes for --eval"""
-    eval_random: bool = False
-    """with --eval: play the same episodes with uniformly random actions instead (a baseline)"""
 
 
 # Flags that a resumed run takes from its command line; all others come from the checkpoint.
@@ -350,10 +344,8 @@ def load_checkpoint(path, agent=None):
         fail(f"cannot read checkpoint {path}: {type(error).__name__}: {str(error).splitlines()[0]}")
     if not isinstance(checkpoint, dict) or not {"model", "args", "counters"} <= set(checkpoint):
         fail(f"{path} is not a checkpoint of oni_appo.py")
-    try:
-        saved = Args(**checkpoint["args"])
-    except TypeError as error:
-        fail(f"checkpoint {path} was written by another version of oni_appo.py: {error}")
+    known = {f.name for f in dataclasses.fields(Args)}  # a flag removed since (--eval went to evaluate.py) is dropped
+    saved = Args(**{k: v for k, v in checkpoint["args"].items() if k in known})
     try:
         if agent is not None:
             agent.load_state_dict(checkpoint["model"])
@@ -364,10 +356,6 @@ def load_checkpoint(path, agent=None):
 
 def parse_args(argv=None) -> Args:
     args = tyro.cli(Args, args=argv)
-    if args.eval is not None:
-        if args.eval_episodes < 1:
-            fail("--eval-episodes must be at least 1")
-        return args
     if args.resume is not None:
         path, _, saved = load_checkpoint(args.resume)
         defaults = Args()
@@ -403,42 +391,6 @@ def pick_device(name):
     except Exception as error:
         fail(f"cannot use device {name!r}: {str(error).splitlines()[0]}")
     return torch.device(name)
-
-
-def evaluate(args):
-    device = pick_device(args.device)
-    agent = Agent().to(device).eval()
-    path, _, saved = load_checkpoint(args.eval, agent)
-    torch.manual_seed(saved.seed)  # the same actions each time, and the same random ones with --eval-random
-    n = min(args.eval_episodes, 16)
-    first_seed = 10_000_019 * (saved.seed + 1)  # episodes no training run plays
-    pool = [envs.make_env(saved.task, seed=first_seed + i, max_episode_steps=saved.max_episode_steps) for i in range(n)]
-    obs = [env.reset()[0] for env in pool]
-    h = torch.zeros(n, agent.gru.hidden_size, device=device)
-    results, started, active = [], n, list(range(n))
-    with torch.no_grad():
-        while active:
-            batch = {k: torch.from_numpy(np.stack([obs[i][k] for i in active])).to(device) for k in OBS_FIELDS}
-            logits, _, h[active] = agent.step(batch, h[active])
-            if args.eval_random:
-                logits = torch.zeros_like(logits)
-            actions = torch.distributions.Categorical(logits=logits).sample().tolist()
-            for i, action in zip(list(active), actions):
-                obs[i], _, terminated, truncated, info = pool[i].step(action)
-                if terminated or truncated:
-                    results.append(info["episode"])
-                    if started < args.eval_episodes:
-                        started += 1
-                        obs[i], h[i] = pool[i].reset()[0], 0.0
-                    else:
-                        active.remove(i)
-    summary = {k: float(np.mean([r[k] for r in results])) for k in results[0]}
-    print(f"{len(results)} episodes of {saved.task} with {'random actions' if args.eval_random else path}:")
-    for k, v in summary.items():
-        print(f"  {k:10s} {v:12.2f} +- {np.std([r[k] for r in results]):.2f}")
-    with open(os.path.join(os.path.dirname(path), "eval_random.json" if args.eval_random else "eval.json"), "w") as f:
-        json.dump({"checkpoint": path, "random_actions": args.eval_random, "episodes": results, "mean": summary}, f, indent=1)
-    return summary
 
 
 @dataclass
@@ -811,8 +763,4 @@ def finish(run):
 
 
 if __name__ == "__main__":
-    args = parse_args()
-    if args.eval is not None:
-        evaluate(args)
-    else:
-        train(args)
+    train(parse_args())

@@ -20,7 +20,7 @@ import envs
 SMALL_SET = 25_000  # below this many labels, train 32 steps per 100 new labels (the reference merged
 BURST = 32  # its client's newest 100 labels at once, then trained 32 steps): a first fit of 32 steps,
 STEPS_PER_LABEL = BURST / 100  # then 0.32 steps per label as labels arrive, at most 32 per burst
-TRAIN_SHARE = 0.2  # the trainer's cap on wall time (half the threads): on 2 cores ranking keeps 0.9 of none's speed
+TRAIN_SHARE = 0.2  # the trainer's cap on wall time (half the threads): on 2 cores ranking keeps 0.86 of none's speed
 PAIR_POOL_EVERY = 10  # every 10th step's message enters the pool that ranking pairs are drawn from
 PAIR_POOL_SIZE = 100_000  # beyond this the pool is a uniform sample of all of them
 PAIRS_PER_BATCH = 8  # ranking asks the LLM this many pairs per learner batch

@@ -206,13 +206,13 @@ def report(dirs, out, figure):
 
 
 def evaluate(dirs, episodes):
-    """`oni_appo.py --eval` on each run's final checkpoint and `--eval-random` on the same episodes (their
+    """`evaluate.py` on each run's final checkpoint and `--random` on the same episodes (their
     seeds come from the run's seed), unless done; then one markdown table of the means +- std over episodes."""
     rows = ["| run | policy | episodes | score | kills | depth | explored | steps |", "|---|---|---|---|---|---|---|---|"]
     for run_dir in sorted(d for path in dirs for d in glob.glob(os.path.join(path, "seed*")) or [path]):
-        for flags, name in (([], "eval.json"), (["--eval-random"], "eval_random.json")):
+        for flags, name in (([], "eval.json"), (["--random"], "eval_random.json")):
             if not os.path.exists(os.path.join(run_dir, name)):
-                execute([sys.executable, "oni_appo.py", "--eval", run_dir, "--eval-episodes", str(episodes), *flags],
+                execute([sys.executable, "evaluate.py", run_dir, "--episodes", str(episodes), *flags],
                         subprocess.DEVNULL)
             if os.path.exists(os.path.join(run_dir, name)):
                 results = json.load(open(os.path.join(run_dir, name)))["episodes"]

@@ -4,6 +4,7 @@
     python benchmarks/throughput.py --num-workers 2 --steps 30000 --llm stub      # + ranking, LLM elsewhere
     python benchmarks/throughput.py --num-workers 2 --steps 30000 --llm embedded  # + ranking, LLM on these cores
     python benchmarks/throughput.py --num-workers 2 --steps 60000 --baseline 4123154 --repeats 2
+    python benchmarks/throughput.py --num-workers 2 --steps 60000 --collection    # + the pipeline alone
 
 Rows: raw NLE (random actions, the same observation keys and 28 actions) on --num-workers
 processes; `oni_appo.py --reward-type none`; and, with --llm, `--reward-type ranking` (annotation
@@ -12,6 +13,9 @@ it stands for an LLM server on other hardware, so the ratio measures our side of
 --baseline REV runs `--reward-type none` from a git worktree of commit REV, alternating with this
 tree (--repeats times each), and prints steps/s and mean policy lag (tensorboard charts/policy_lag_mean
 averaged over the run's logs) side by side.
+--collection adds the pipeline alone: oni_appo's own workers, shared buffers and batched inference,
+with a learner that takes each batch and does no update, and the share of its wall time spent in
+inference (the main thread's `act`): the figure that predicts a GPU node, where learning is nearly free.
 """
 import argparse
 import json
@@ -54,9 +58,32 @@ def raw_nle(processes, seconds):
     return total
 
 
-def train(extra, steps, workers, envs_per_worker, root=ROOT):
+def collection_run(oni_argv):
+    """oni_appo's training loop with a learner that does no update; summary.json gets inference_share."""
+    import oni_appo
+    act, inference_s = oni_appo.act, [0.0]
+
+    def timed_act(run, conns, slots):
+        start = time.perf_counter()
+        act(run, conns, slots)
+        inference_s[0] += time.perf_counter() - start
+
+    def no_update(run, batch, rewards):
+        with run.weights_lock:
+            run.counters["updates"] += 1
+        return {}
+    oni_appo.act, oni_appo.update_policy = timed_act, no_update
+    args = oni_appo.parse_args(oni_argv)
+    summary = oni_appo.train(args)
+    summary["inference_share"] = inference_s[0] / summary["wall_time_s"]
+    with open(os.path.join(args.run_dir, "summary.json"), "w") as f:
+        json.dump(summary, f)
+
+
+def train(extra, steps, workers, envs_per_worker, root=ROOT, collection=False):
     run_dir = tempfile.mkdtemp(prefix="oni-bench-")
-    command = [sys.executable, os.path.join(root, "oni_appo.py"), "--total-env-steps", str(steps),
+    program = [os.path.abspath(__file__), "--collection-run"] if collection else [os.path.join(root, "oni_appo.py")]
+    command = [sys.executable, *program, "--total-env-steps", str(steps),
                "--num-workers", str(workers), "--num-envs-per-worker", str(envs_per_worker),
                "--run-dir", run_dir, "--checkpoint-every-s", "1e9", *extra]
     result = subprocess.run(command, capture_output=True, text=True, cwd=root)
@@ -91,6 +118,8 @@ def compare(baseline, args):
 
 
 def main():
+    if sys.argv[1:2] == ["--collection-run"]:
+        return collection_run(sys.argv[2:])
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--num-workers", type=int, default=os.cpu_count())
     parser.add_argument("--num-envs-per-worker", type=int, default=16)
@@ -99,6 +128,7 @@ def main():
     parser.add_argument("--llm", default=None, help="also run ranking with: stub | embedded | a base URL")
     parser.add_argument("--baseline", default=None, help="compare --reward-type none with this git commit")
     parser.add_argument("--repeats", type=int, default=1, help="runs of each side with --baseline")
+    parser.add_argument("--collection", action="store_true", help="also run the pipeline with no learning")
     args = parser.parse_args()
     if args.baseline:
         return compare(args.baseline, args)
@@ -108,6 +138,12 @@ def main():
     none = train(["--reward-type", "none"], args.steps, args.num_workers, args.num_envs_per_worker)
     rows.append(("oni_appo --reward-type none", none["sps"], none))
     print(f"{rows[1][0]:48s} {none['sps']:10,.0f} steps/s  ({none['sps'] / rows[0][1]:.3f} of raw)", flush=True)
+    if args.collection:
+        alone = train(["--reward-type", "none"], args.steps, args.num_workers, args.num_envs_per_worker, collection=True)
+        print(f"{'collection alone (learner does no update)':48s} {alone['sps']:10,.0f} steps/s  "
+              f"({alone['sps'] / rows[0][1]:.3f} of raw; {alone['inference_share']:.0%} of its wall time in inference, "
+              f"{1e6 * alone['inference_share'] * alone['wall_time_s'] / alone['env_steps']:.0f} us per env step)",
+              flush=True)
     if args.llm:
         stub = None
         if args.llm == "stub":

@@ -431,6 +431,18 @@ def test_check_restarts_a_dead_annotator_and_stops_the_run_on_a_fatal_error(tmp_
         client.close()
 
 
+def test_the_label_table_keeps_only_what_the_learner_has_not_read():
+    table = annotator.LabelTable()
+    table.put([(f"c{i}", {"caption": f"c{i}", "label": 1}) for i in range(3)])
+    records, cursor = table.since(0)
+    assert [r["caption"] for r in records] == ["c0", "c1", "c2"] and cursor == 3
+    table.put([("c1", {"caption": "c1", "label": 0}), ("c3", {"caption": "c3", "label": None})])
+    records, cursor = table.since(cursor)
+    assert records == [{"caption": "c1", "label": 0}, {"caption": "c3", "label": None}] and cursor == 5
+    assert table.since(cursor) == ([], 5) and table.written == []  # what was read is gone
+    assert table["c1"]["label"] == 0 and sorted(table.settled()) == ["c0", "c1", "c2"]  # the latest answers stay
+
+
 def test_labels_reach_the_learner_through_the_manager_table_in_bulk(tmp_path, monkeypatch):
     """The LabelTable in the Manager is the one channel: new_records() takes everything written since
     its last call, in order (a caption asked again appears again), in one round trip."""

@@ -145,6 +145,11 @@ def run(args, timeout=600, **kw):
                           text=True, timeout=timeout, **kw)
 
 
+def evaluate(args, timeout=600):
+    return subprocess.run([sys.executable, "evaluate.py", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
 def test_end_to_end_on_nle_then_resume(tmp_path):
     run_dir = str(tmp_path / "run")
     first = run(SMALL_RUN + ["--total-env-steps", "10000", "--run-dir", run_dir, "--seed", "3"])
@@ -178,11 +183,11 @@ def test_end_to_end_on_nle_then_resume(tmp_path):
     lines = open(os.path.join(run_dir, "messages.tsv")).read().splitlines()
     assert lines[0] == "message\tsteps\tlabel\treward_now\tpaid" and len(lines) > 2
 
-    evaluation = run(["--eval", run_dir, "--eval-episodes", "2"])
+    evaluation = evaluate([run_dir, "--episodes", "2"])
     assert evaluation.returncode == 0, evaluation.stderr[-2000:]
     assert "2 episodes of NetHackScoreExtendedActions-v1" in evaluation.stdout
     assert len(json.load(open(os.path.join(run_dir, "eval.json")))["episodes"]) == 2
-    baseline = run(["--eval", run_dir, "--eval-episodes", "2", "--eval-random"])
+    baseline = evaluate([run_dir, "--episodes", "2", "--random"])
     assert baseline.returncode == 0 and "with random actions" in baseline.stdout, baseline.stderr[-2000:]
     assert json.load(open(os.path.join(run_dir, "eval_random.json")))["random_actions"] is True
 
@@ -267,7 +272,7 @@ def test_corrupt_and_mismatched_checkpoints_are_clear_errors(tmp_path):
     state["actor.weight"] = torch.zeros(5, 512)
     mismatched = tmp_path / "mismatched.pt"
     torch.save({"model": state, "args": vars(oni_appo.Args()), "counters": {}}, mismatched)
-    result = run(["--eval", str(mismatched)], timeout=120)
+    result = evaluate([str(mismatched)], timeout=120)
     assert result.returncode != 0 and "does not match this policy" in result.stderr
     assert "Traceback" not in result.stderr
 

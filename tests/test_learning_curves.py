@@ -105,15 +105,15 @@ def test_runner_commands(tmp_path, monkeypatch):
 
 
 def test_eval_table_and_commands(tmp_path, monkeypatch):
-    """--eval: each seed dir gets oni_appo.py --eval (trained) and --eval-random unless its json exists."""
+    """--eval: each seed dir gets evaluate.py (trained) and evaluate.py --random unless its json exists."""
     run_dir = tmp_path / "cfg" / "seed1"
     os.makedirs(run_dir)
     episodes = [{"score": s, "kills": 1, "depth": 1, "explored": 10, "steps": 100} for s in (2, 4)]
     calls = []
 
-    def fake_execute(command, log):  # oni_appo.py --eval writes eval.json / eval_random.json
+    def fake_execute(command, log):  # evaluate.py writes eval.json / eval_random.json
         calls.append(command)
-        name = "eval_random.json" if "--eval-random" in command else "eval.json"
+        name = "eval_random.json" if "--random" in command else "eval.json"
         (run_dir / name).write_text(json.dumps({"episodes": [dict(e, score=e["score"] * 10) for e in episodes]}))
         return 0
 
@@ -121,7 +121,7 @@ def test_eval_table_and_commands(tmp_path, monkeypatch):
     monkeypatch.setattr(lc, "execute", fake_execute)
     out = tmp_path / "out"
     assert lc.main(["--eval", str(tmp_path / "cfg"), "--out", str(out), "--eval-episodes", "7"]) == 0
-    assert [c[1:] for c in calls] == [["oni_appo.py", "--eval", str(run_dir), "--eval-episodes", "7", "--eval-random"]]
+    assert [c[1:] for c in calls] == [["evaluate.py", str(run_dir), "--episodes", "7", "--random"]]
     lines = open(out / "eval.md").read().strip().splitlines()
     assert len(lines) == 4
     trained, random = ([c.strip() for c in line.strip("|").split("|")] for line in lines[2:])

@@ -252,7 +252,8 @@ def serve(*, urls, model, prompts, concurrency, run_dir, known, requests, table,
     asking = set()  # keys in flight: a retry of one must not ask it twice
     done = set(known) | set(table.settled())  # a restarted annotator does not ask again what is answered
     latencies, counts = collections.deque(maxlen=1000), collections.Counter(stats.copy())  # counts go on
-    pause_s, resume_at = [1.0] * len(urls), [0.0] * len(urls)  # per server: a dead one must not stall the rest
+    # per server (a dead one must not stall the rest): the next pause, when this one ends, when it began
+    pause_s, resume_at, paused_at = [1.0] * len(urls), [0.0] * len(urls), [0.0] * len(urls)
     fatal, out = None, open(os.path.join(run_dir, LABELS_FILE), "a")
     pool = concurrent.futures.ThreadPoolExecutor(concurrency)  # a thread per request in flight
 
@@ -264,11 +265,13 @@ def serve(*, urls, model, prompts, concurrency, run_dir, known, requests, table,
                 counts["dropped"] += 1
             backlog[key] = item
 
-    def failed(server, error):  # down, 5xx, timeout: that server pauses, twice as long each time; else fatal
+    def failed(server, error, started):  # down, 5xx, timeout: that server pauses, twice as long each time; else fatal
         nonlocal fatal
         counts["failures"] += 1
-        if time.time() >= resume_at[server]:  # one outage, one doubling (its requests in flight fail together)
-            resume_at[server], pause_s[server] = time.time() + pause_s[server], min(pause_s[server] * 2, MAX_BACKOFF_S)
+        if started >= paused_at[server]:  # one outage, one doubling: requests sent before it began fail with it
+            paused_at[server] = time.time()
+            resume_at[server] = paused_at[server] + pause_s[server]
+            pause_s[server] = min(pause_s[server] * 2, MAX_BACKOFF_S)
         fatal = fatal or fatal_reason(error)
 
     while not stop.is_set() and not fatal:
@@ -286,7 +289,7 @@ def serve(*, urls, model, prompts, concurrency, run_dir, known, requests, table,
                 if labeler.style == "completion":
                     counts["answers_restricted"] = int(labeler.restricted)
             except Exception as error:
-                failed(ready[0], error)
+                failed(ready[0], error, now)
         busy = collections.Counter(server for _, server, _ in in_flight.values())
         while labeler.style and ready and backlog and len(in_flight) < concurrency:
             server = min(ready, key=busy.__getitem__)  # an even spread; a slower server gets fewer
@@ -302,7 +305,7 @@ def serve(*, urls, model, prompts, concurrency, run_dir, known, requests, table,
             try:
                 answer = future.result()
             except Exception as error:  # the item waits for a server to answer
-                failed(server, error)
+                failed(server, error, started)
                 enqueue(item)
                 continue
             pause_s[server] = 1.0

@@ -384,6 +384,12 @@ def parse_args(argv=None) -> Args:
     return args
 
 
+def rewrite(path, lines):  # atomically: a crash now must not lose the file
+    with open(path + ".tmp", "w") as f:
+        f.writelines(lines)
+    os.replace(path + ".tmp", path)
+
+
 def pick_device(name):
     name = ("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name
     try:
@@ -481,11 +487,11 @@ def set_up(args) -> Run:
         if os.path.exists(episodes):  # the steps after the checkpoint are played again: so are their episodes
             with open(episodes) as f:
                 kept = [e for e in f if e.endswith("\n") and json.loads(e).get("env_steps", 0) <= counters["env_steps"]]
-            with open(episodes, "w") as f:
-                f.writelines(kept)
+            rewrite(episodes, kept)
         labels = os.path.join(args.run_dir, annotator.LABELS_FILE)
         if os.path.exists(labels):  # the labels so far come back from the run's file, not asked again
-            intrinsic.add_labels(annotator.read_labels(labels))
+            intrinsic.add_labels(records := annotator.read_labels(labels))
+            rewrite(labels, [json.dumps(r) + "\n" for r in records])  # whole lines only: the annotator appends
         intrinsic.load_state_dict(checkpoint.get("intrinsic", {}))
         print(f"resumed from {args.resume} at {counters['env_steps']:,} env steps")
     acting_agent.load_state_dict(agent.state_dict())

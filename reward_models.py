@@ -273,8 +273,9 @@ class Classification(TrainedModel):
         return F.cross_entropy(logits, labels, weight=torch.stack([0.5 / (1 - share), 0.5 / share]))
 
     def scoring(self, model):  # it pays once, as published (eval mode), it tells its labels of each class apart
-        with self.lock:
-            by_class = [[text for text, label in self.labels.items() if label == c] for c in (0.0, 1.0)]
+        with self.lock:  # a copy, briefly: the learner adds labels under the lock
+            labels = list(self.labels.items())
+        by_class = [[text for text, label in labels if label == c] for c in (0.0, 1.0)]
         with torch.no_grad():  # (a minibatch often holds no rare "helpful" label: judged over up to 1,024 a class)
             recall = [(outputs(model, self.rng.sample(texts, min(len(texts), 1024)), self.device).argmax(-1) == c)
                       .float().mean().item() if texts else 0.0 for c, texts in enumerate(by_class)]
@@ -355,13 +356,13 @@ class IntrinsicReward:
             self.add_labels(annotator.read_labels(args.labels_from))
 
     def add_labels(self, records):  # the LLM's new answers, --labels-from, or on resume the run's labels.jsonl
+        self.piece.add_labels(records)  # first: a caption labelled, then unparseable in the same records, is done
         for record in records:
             if "caption" in record and self.piece.asks == "captions":
                 if record["label"] is None and record["caption"] not in self.piece.labels:  # asked again after RETRY_S
                     self.asked[record["caption"]] = time.time()
                 else:
                     self.asked.pop(record["caption"], None)
-        self.piece.add_labels(records)
 
     def known_keys(self) -> set[str]:  # captions answered and pairs compared: what the annotator need not ask again
         return set(self.piece.labels) | {annotator.item_key((a, b)) for a, b, _ in self.piece.pairs}

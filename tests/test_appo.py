@@ -168,6 +168,9 @@ def test_end_to_end_on_nle_then_resume(tmp_path):
     with open(os.path.join(run_dir, "episodes.jsonl"), "a") as f:  # logged after the checkpoint, then a crash:
         f.write(json.dumps({"return": 0.0, "steps": 1, "score": 12345, "env_steps": summary["env_steps"] + 1}) + "\n")
         f.write('{"return": 1.0, "ste')  # and a line cut short
+    labels = os.path.join(run_dir, "labels.jsonl")
+    with open(labels, "w") as f:  # a labels file whose last write a crash cut short
+        f.write(json.dumps({"caption": "It's a wall.", "label": 0}) + '\n{"caption": "You kill')
     second = run(["--resume", run_dir, "--total-env-steps", "14000"])
     assert second.returncode == 0, second.stderr[-2000:]
     assert f"resumed from {run_dir}/checkpoint.pt at {summary['env_steps']:,} env steps" in second.stdout
@@ -177,6 +180,7 @@ def test_end_to_end_on_nle_then_resume(tmp_path):
 
     episodes = [json.loads(line) for line in open(os.path.join(run_dir, "episodes.jsonl"))]
     assert len(episodes) == resumed["episodes"] and all(e["score"] != 12345 for e in episodes)  # played again
+    assert open(labels).read() == json.dumps({"caption": "It's a wall.", "label": 0}) + "\n"  # appendable again
     assert all(e["intrinsic_return"] == 0.0 for e in episodes if "intrinsic_return" in e)  # reward type none
     assert sum("intrinsic_return" in e for e in episodes) >= len(episodes) - 16  # all but those the learner missed
     assert all(0 < e["env_steps"] <= resumed["env_steps"] for e in episodes)

@@ -150,6 +150,13 @@ def test_messages_tsv_counts_steps_and_what_each_message_paid(tmp_path):
                         ["It's a wall.", "2", "0", "0.0000", "0.0000"]]
 
 
+def test_a_labelled_caption_answered_unparseable_later_is_not_asked_again():
+    model = rm.IntrinsicReward(make_args(reward_type="retrieval"), "cpu")
+    model.add_labels([{"caption": "You kill the newt!", "label": 1}, {"caption": "You kill the newt!", "label": None},
+                      {"caption": "It's a wall.", "label": None}])
+    assert model.piece.labels == {"You kill the newt!": 1.0} and list(model.asked) == ["It's a wall."]
+
+
 def test_resume_reloads_labels_without_asking_again(tmp_path, monkeypatch):
     with open(tmp_path / annotator.LABELS_FILE, "w") as f:
         f.write(json.dumps({"caption": "You kill the newt!", "label": 1}) + "\n")

@@ -1,0 +1,96 @@
+"""Where one learner update's CPU time goes: the policy update of oni_appo.py on a batch shaped like a
+real one (--batch-size steps in rollouts of 32, the observations of a real NLE run), stage by stage.
+
+    python benchmarks/profile_update.py                 # 20 updates after 3 warm-up ones, torch's threads
+    python benchmarks/profile_update.py --threads 1
+
+Stages, timed with the real functions: the encoder's forward pass alone (`Agent.encode`, no grad), the
+whole forward pass and loss (`appo_loss`: encoder, GRU unroll, V-trace), the backward pass, gradient
+clipping and Adam's step, and the copy of the weights into the acting agent. "GRU unroll + V-trace +
+loss" is the forward pass minus the encoder alone.
+"""
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import envs  # noqa: E402
+import oni_appo  # noqa: E402
+
+
+def real_batch(args, rollout=32):
+    """Observations of random play on real NLE, as the learner gets them: [T+1, B, ...]."""
+    envs_per_rollout = args.batch_size // rollout
+    env = envs.make_env("NetHackScoreExtendedActions-v1", seed=0)
+    rng = np.random.default_rng(0)
+    obs, frames = env.reset()[0], []
+    for _ in range((rollout + 1) * envs_per_rollout):
+        frames.append({k: obs[k].copy() for k in oni_appo.OBS_FIELDS})
+        obs, _, terminated, truncated, _ = env.step(int(rng.integers(len(envs.ACTIONS))))
+        if terminated or truncated:
+            obs = env.reset()[0]
+    stacked = {k: torch.from_numpy(np.stack([f[k] for f in frames])) for k in oni_appo.OBS_FIELDS}
+    shape = (rollout + 1, envs_per_rollout)
+    batch = {"obs": {k: v.view(*shape, *v.shape[1:]) for k, v in stacked.items()},
+             "h0": torch.zeros(envs_per_rollout, 512),
+             "action": torch.from_numpy(rng.integers(len(envs.ACTIONS), size=(rollout, envs_per_rollout))),
+             "logprob": torch.full((rollout, envs_per_rollout), -np.log(len(envs.ACTIONS)), dtype=torch.float32),
+             "end": torch.zeros(rollout, envs_per_rollout, dtype=torch.int8)}
+    batch["end"][10, ::3] = oni_appo.End.TERMINATED  # some episode ends inside the rollouts
+    return batch, torch.from_numpy(rng.normal(0, 0.1, (rollout, envs_per_rollout)).astype(np.float32))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batch-size", type=int, default=1024)
+    parser.add_argument("--updates", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    train_args = oni_appo.Args()
+    agent, acting_agent = oni_appo.Agent(), oni_appo.Agent().eval()
+    optimizer = torch.optim.Adam(agent.parameters(), lr=train_args.lr, eps=1e-5)
+    batch, rewards = real_batch(args)
+    flat_obs = {k: v.flatten(0, 1) for k, v in batch["obs"].items()}
+    times = {name: [] for name in ("encoder forward", "forward + loss", "backward", "clip + Adam step",
+                                   "weights to the acting agent")}
+    for update in range(3 + args.updates):
+        marks = [time.perf_counter()]
+        with torch.no_grad():
+            agent.encode(flat_obs)
+        marks.append(time.perf_counter())
+        loss, _ = oni_appo.appo_loss(agent, batch, rewards, train_args)
+        marks.append(time.perf_counter())
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        marks.append(time.perf_counter())
+        torch.nn.utils.clip_grad_norm_(agent.parameters(), train_args.max_grad_norm)
+        optimizer.step()
+        marks.append(time.perf_counter())
+        acting_agent.load_state_dict(agent.state_dict())
+        marks.append(time.perf_counter())
+        if update >= 3:
+            for name, start, end in zip(times, marks, marks[1:]):
+                times[name].append(end - start)
+    ms = {name: 1e3 * float(np.median(v)) for name, v in times.items()}
+    update_ms = sum(ms.values()) - ms["encoder forward"]  # the encoder runs again inside forward + loss
+    print(f"one update of {args.batch_size} steps, {torch.get_num_threads()} torch threads, "
+          f"median of {args.updates}: {update_ms:.0f} ms")
+    rows = [("encoder forward (inside forward + loss)", ms["encoder forward"]),
+            ("GRU unroll + V-trace + loss (forward)", ms["forward + loss"] - ms["encoder forward"]),
+            *[(name, ms[name]) for name in ("backward", "clip + Adam step", "weights to the acting agent")]]
+    print("| stage | ms | share |\n|---|---|---|")
+    for name, value in rows:
+        print(f"| {name} | {value:.1f} | {value / update_ms:.0%} |")
+
+
+if __name__ == "__main__":
+    main()

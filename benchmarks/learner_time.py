@@ -1,0 +1,74 @@
+"""Where the learner thread's time goes in a real training run, per update: `--reward-type none` and
+`ranking` (its LLM an instant stub server in a process of its own, tests/fake_openai.py), one after the other.
+
+    python benchmarks/learner_time.py --steps 50000
+
+Each function of the learner's loop (oni_appo.py: next_batch - waiting for rollouts -, take_batch,
+the intrinsic reward, add_intrinsic_episodes, update_policy; the label intake: LabelClient.check,
+new_records, request, IntrinsicReward.add_labels, label_requests) is wrapped with a timer; the table
+is ms per update. What ranking adds to none there is ONI's cost on the learner's critical path.
+"""
+import argparse
+import collections
+import multiprocessing
+import os
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+
+import annotator  # noqa: E402
+import oni_appo  # noqa: E402
+import reward_models  # noqa: E402
+
+SPENT = collections.defaultdict(float)
+TIMED = [(oni_appo, name) for name in ("next_batch", "take_batch", "add_intrinsic_episodes", "update_policy")] + [
+    (annotator.LabelClient, name) for name in ("check", "new_records", "request")] + [
+    (reward_models.IntrinsicReward, name) for name in ("rewards", "add_labels", "label_requests")]
+
+
+def timed(function, key):
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            SPENT[key] += time.perf_counter() - start
+    return wrapper
+
+
+def serve_stub(urls):  # in a process of its own, as an LLM server elsewhere: not on the learner's GIL
+    from fake_openai import FakeOpenAI
+    urls.put(FakeOpenAI().start().url)
+    time.sleep(1e9)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=50_000)
+    parser.add_argument("--num-workers", type=int, default=2)
+    args = parser.parse_args()
+    for owner, name in TIMED:
+        setattr(owner, name, timed(getattr(owner, name), f"{getattr(owner, '__name__', '')}.{name}".lstrip(".")))
+    ctx = multiprocessing.get_context("spawn")
+    urls = ctx.Queue()
+    stub = ctx.Process(target=serve_stub, args=(urls,), daemon=True)
+    stub.start()
+    columns = {}
+    for kind, extra in (("none", []), ("ranking", ["--llm-url", urls.get(timeout=60)])):
+        SPENT.clear()
+        summary = oni_appo.train(oni_appo.parse_args(
+            ["--reward-type", kind, *extra, "--total-env-steps", str(args.steps), "--num-workers", str(args.num_workers),
+             "--run-dir", tempfile.mkdtemp(prefix="oni-learner-time-"), "--checkpoint-every-s", "1e9"]))
+        columns[kind] = {key: 1e3 * value / summary["updates"] for key, value in SPENT.items()}
+        columns[kind]["steps/s"] = summary["sps"]
+    stub.terminate()
+    print(f"| ms per update | none | ranking |\n|---|---|---|")
+    for key in sorted(set(columns["none"]) | set(columns["ranking"]), key=lambda k: -columns["ranking"].get(k, 0)):
+        print(f"| {key} | {columns['none'].get(key, 0):.1f} | {columns['ranking'].get(key, 0):.1f} |")
+
+
+if __name__ == "__main__":
+    main()

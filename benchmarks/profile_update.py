@@ -8,6 +8,13 @@ Stages, timed with the real functions: the encoder's forward pass alone (`Agent.
 whole forward pass and loss (`appo_loss`: encoder, GRU unroll, V-trace), the backward pass, gradient
 clipping and Adam's step, and the copy of the weights into the acting agent. "GRU unroll + V-trace +
 loss" is the forward pass minus the encoder alone.
+
+Then the ceiling: the update's floating-point operations in matrix products and convolutions (counted by
+torch's FlopCounterMode, forward and backward) over its time, beside a 1024x1024 matrix product's rate
+on the same threads. Their quotient is how much faster the same arithmetic could run on these cores if
+every operation ran at matrix-product speed and nothing else took time: the bound on "the same math,
+faster" on a CPU. --bf16 also times forward + backward under torch's CPU bfloat16 autocast, with its loss
+beside float32's on the same batch: lower precision is faster, but it is not the same math.
 """
 import argparse
 import os
@@ -16,6 +23,7 @@ import time
 
 import numpy as np
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -51,6 +59,7 @@ def main():
     parser.add_argument("--batch-size", type=int, default=1024)
     parser.add_argument("--updates", type=int, default=20)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--bf16", action="store_true", help="also time forward + backward under bf16 autocast")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -90,6 +99,43 @@ def main():
     print("| stage | ms | share |\n|---|---|---|")
     for name, value in rows:
         print(f"| {name} | {value:.1f} | {value / update_ms:.0%} |")
+    with FlopCounterMode(display=False) as counter:
+        loss, _ = oni_appo.appo_loss(agent, batch, rewards, train_args)
+        loss.backward()
+    update_gflop, matmul = counter.get_total_flops() / 1e9, matmul_gflops()
+    rate = update_gflop / (update_ms / 1e3)
+    print(f"arithmetic: {update_gflop:.3f} GFLOP per update (matrix products and convolutions) = {rate:.0f} GFLOP/s; "
+          f"a 1024x1024 matrix product: {matmul:.0f} GFLOP/s on the same threads = {rate / matmul:.0%} of it; "
+          f"at matrix-product speed the update would be {matmul / rate:.2f}x faster")
+    if args.bf16:
+        timed = {precision: forward_backward(agent, batch, rewards, train_args, precision == "bfloat16", args.updates)
+                 for precision in ("float32", "bfloat16")}
+        (fp32_ms, fp32_loss), (bf16_ms, bf16_loss) = timed.values()
+        print(f"forward + backward: float32 {fp32_ms:.0f} ms, loss {fp32_loss:.6f}; bfloat16 autocast {bf16_ms:.0f} ms, "
+              f"loss {bf16_loss:.6f}: {fp32_ms / bf16_ms:.2f}x faster, loss off by {abs(bf16_loss / fp32_loss - 1):.1e}")
+
+
+def forward_backward(agent, batch, rewards, train_args, bf16, updates):
+    """Median ms of forward + backward (after 2 warm-up ones) and the loss, under bf16 autocast or not."""
+    times = []
+    for update in range(2 + updates):
+        start = time.perf_counter()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss, _ = oni_appo.appo_loss(agent, batch, rewards, train_args)
+        agent.zero_grad(set_to_none=True)
+        loss.backward()
+        times.append(time.perf_counter() - start)
+    return 1e3 * float(np.median(times[2:])), loss.item()
+
+
+def matmul_gflops(n=1024, repeats=20):
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    for _ in range(3):
+        a @ b
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    return 2 * n ** 3 * repeats / (time.perf_counter() - start) / 1e9
 
 
 if __name__ == "__main__":

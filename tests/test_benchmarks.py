@@ -16,3 +16,22 @@ def test_profile_update_times_every_stage_of_a_real_update():
     stages_ms = [float(r[1]) for r in rows]
     update_ms = float(result.stdout.split("median of 2: ")[1].split(" ms")[0])
     assert all(ms >= 0 for ms in stages_ms) and abs(sum(stages_ms) - update_ms) < 1  # the stages make the update
+
+
+def test_profile_update_counts_the_update_arithmetic_and_times_bf16():
+    result = subprocess.run([sys.executable, "benchmarks/profile_update.py", "--batch-size", "64", "--updates", "2", "--bf16"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    counted_gflop = float(result.stdout.split("arithmetic: ")[1].split(" GFLOP")[0])
+    # by hand: multiply-adds of one forward step (crop convs on 12x12 and 6x6, the linear layers, GRU 512, heads)
+    sys.path.insert(0, ROOT)
+    import envs
+    convs = 12 * 12 * 64 * 32 * 9 + 6 * 6 * 64 * 64 * 9
+    linears = 2304 * 256 + 27 * 64 + 64 * 64 + envs.MESSAGE_LEN * 128 + 128 * 128 + 448 * 512 + 512 * (len(envs.ACTIONS) + 1)
+    gru = 3 * 512 * (512 + 512)
+    forward_gflop = 2 * (convs + linears + gru) * 33 * 2 / 1e9  # 33 observations (rollout 32 + bootstrap) x 2 envs
+    # backward = a gradient for the weights and one for the inputs of every layer, except the first layers of the
+    # stats and message MLPs, whose inputs need none: just under 3x the forward pass
+    assert 2.9 * forward_gflop < counted_gflop <= 3.0 * forward_gflop
+    off_by = float(result.stdout.split("loss off by ")[1].split()[0])
+    assert 0 < off_by < 0.1  # bf16 autocast ran (a different loss), and is close

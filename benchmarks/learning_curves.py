@@ -39,6 +39,7 @@ CONFIGS = {
     "free_none": (SCORE, "none", 0, 500_000),
     "free_retrieval": (SCORE, "retrieval", 0, 500_000),
     "free_ranking": (SCORE, "ranking", 0, 500_000),
+    "free_classification": (SCORE, "classification", 0, 500_000),
 }
 METRICS = ["score", "kills", "depth", "explored", "intrinsic_return"]
 BINS, WINDOW = 25, 100

@@ -77,6 +77,8 @@ class Args:
     """time limit of an episode in steps (truncated, bootstrapped); NLE's default 5000"""
     raw_ranking: bool = False
     """ranking: the reward model's raw output (as the reference code), not the normalized, median-thresholded one"""
+    reward_model_share: float = 1.0
+    """classification/ranking: most of wall time their trainer may take; 1 keeps the reference's steps per label"""
     llm_url: list[str] = field(default_factory=list)
     """base URLs of OpenAI-compatible LLM servers, requests spread across them (none: the embedded llm_server.py)"""
     llm_model: str | None = None
@@ -105,7 +107,7 @@ class Args:
 
 # Flags that a resumed run takes from its command line; all others come from the checkpoint.
 RESUME_OVERRIDES = ("total_env_steps", "num_workers", "device", "track", "llm_url", "llm_model", "llm_concurrency",
-                    "llm_threads", "prompt_file", "checkpoint_every_s")
+                    "llm_threads", "prompt_file", "checkpoint_every_s", "reward_model_share")
 CROP = 12  # the paper's crop of the map around the agent
 TORCH_THREADS = torch.get_num_threads()  # the learner's, read before any thread changes the default
 
@@ -372,8 +374,8 @@ def parse_args(argv=None) -> Args:
         fail(f"unknown reward type {args.reward_type!r}; choose one of {', '.join(reward_models.REWARD_TYPES)}")
     if args.num_workers < 1 or args.num_envs_per_worker < 2 or args.num_envs_per_worker % 2:
         fail("need --num-workers >= 1 and an even --num-envs-per-worker >= 2")
-    if args.max_episode_steps < 1 or (args.llm_threads is not None and args.llm_threads < 1):
-        fail("need --max-episode-steps >= 1 and --llm-threads >= 1")
+    if args.max_episode_steps < 1 or (args.llm_threads is not None and args.llm_threads < 1) or not 0 < args.reward_model_share <= 1:
+        fail("need --max-episode-steps >= 1, --llm-threads >= 1 and 0 < --reward-model-share <= 1")
     slot_steps = args.rollout * args.num_envs_per_worker // 2
     if args.batch_size % slot_steps:
         fail(f"--batch-size must be a multiple of rollout * num_envs_per_worker / 2 = {slot_steps}")
@@ -508,7 +510,7 @@ def set_up(args) -> Run:
     writer.add_text("args", "\n".join(f"{k}: {v}" for k, v in dataclasses.asdict(args).items()))
     if client is not None:  # the annotator subprocess and, without --llm-url, the embedded server
         client.start(args.run_dir, known=intrinsic.known_keys())
-    intrinsic.start()
+    intrinsic.start(args.reward_model_share)
     return Run(args, device, agent, acting_agent, optimizer, intrinsic, client, writer, counters)
 
 

@@ -20,7 +20,6 @@ import envs
 SMALL_SET = 25_000  # below this many labels, train 32 steps per 100 new labels (the reference merged
 BURST = 32  # its client's newest 100 labels at once, then trained 32 steps): a first fit of 32 steps,
 STEPS_PER_LABEL = BURST / 100  # then 0.32 steps per label as labels arrive, at most 32 per burst
-TRAIN_SHARE = 0.2  # the trainer's cap on wall time (half the threads): on 2 cores ranking keeps 0.86 of none's speed
 PAIR_POOL_EVERY = 10  # every 10th step's message enters the pool that ranking pairs are drawn from
 PAIR_POOL_SIZE = 100_000  # beyond this the pool is a uniform sample of all of them
 PAIRS_PER_BATCH = 8  # ranking asks the LLM this many pairs per learner batch
@@ -121,7 +120,7 @@ class NoReward:
 
     def score(self, rows, texts) -> torch.Tensor: return torch.zeros(len(texts), device=self.device)
     def see(self, texts, steps): pass  # the non-empty messages of a learner batch, and their steps
-    def start(self, share=TRAIN_SHARE): pass
+    def start(self, share=1.0): pass
     def close(self): pass
     def train_stats(self): return {}
     def state_dict(self): return {}
@@ -215,7 +214,7 @@ class TrainedModel(NoReward):
         self.published = {"model": model, "model_steps": self.model_steps,
                           "optimizer": copy.deepcopy(self.optimizer.state_dict()), **(scoring or self.scoring(model))}
 
-    def start(self, share=TRAIN_SHARE):
+    def start(self, share=1.0):
         def train():
             # half the learner's threads: two OpenMP teams as wide as the machine spin against each other
             torch.set_num_threads(max(1, torch.get_num_threads() // 2))  # (a step took 3 s, not 0.2, on 2 cores)
@@ -333,7 +332,7 @@ class Motif(Ranking):
 
     def ready(self): return False  # frozen: no training is ever due
     def add_labels(self, records): pass
-    def start(self, share=TRAIN_SHARE): pass
+    def start(self, share=1.0): pass
 
 
 PIECES = {"none": NoReward, "retrieval": Retrieval, "classification": Classification, "ranking": Ranking,

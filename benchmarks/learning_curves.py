@@ -1,6 +1,6 @@
 """Learning curves: train a few configurations of oni_appo.py over seeds, then plot and tabulate them.
 
-    python benchmarks/learning_curves.py                                  # all four configs, seed 1
+    python benchmarks/learning_curves.py                                  # all five configs, seed 1
     python benchmarks/learning_curves.py --configs free_none free_ranking --seeds 1 2 3
     python benchmarks/learning_curves.py --steps 2e9 -- --llm-url http://gpu:8000/v1   # the paper's scale
     python benchmarks/learning_curves.py --plot results/curves/free_none runs/some_run  # only plot
@@ -11,6 +11,7 @@ Configurations (steps by default):
     free_none        --extrinsic-coef 0 --reward-type none                                500,000
     free_retrieval   --extrinsic-coef 0 --reward-type retrieval                           500,000
     free_ranking     --extrinsic-coef 0 --reward-type ranking                             500,000
+    free_classification --extrinsic-coef 0 --reward-type classification                   500,000
 Each run goes to OUT/CONFIG/seedS (console.log holds its output). Runs are resumable: a run whose
 summary.json reached the steps is skipped, one with a checkpoint.pt is continued with --resume.
 Everything after `--` goes verbatim to oni_appo.py. OUT/wall_times.json holds each run's wall time.

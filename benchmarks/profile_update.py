@@ -11,10 +11,12 @@ loss" is the forward pass minus the encoder alone.
 
 Then the ceiling: the update's floating-point operations in matrix products and convolutions (counted by
 torch's FlopCounterMode, forward and backward) over its time, beside a 1024x1024 matrix product's rate
-on the same threads. Their quotient is how much faster the same arithmetic could run on these cores if
-every operation ran at matrix-product speed and nothing else took time: the bound on "the same math,
-faster" on a CPU. --bf16 also times forward + backward under torch's CPU bfloat16 autocast, with its loss
-beside float32's on the same batch: lower precision is faster, but it is not the same math.
+on the same threads. Their quotient is how much faster the same operations could run on these cores if
+every operation ran at matrix-product speed and nothing else took time: the bound on a faster update that
+does the same operations on a CPU (a different formulation of the same math could do fewer). The matrix-product rate is taken after every update,
+under the same load. Then the policy's inference (`Agent.step`, as `act` runs it) in us per env step by
+batch size. --bf16 also times forward + backward under torch's CPU bfloat16 autocast, alternated with
+float32, with both losses and the gradients' relative difference: faster, but not the same math.
 """
 import argparse
 import os
@@ -71,6 +73,7 @@ def main():
     flat_obs = {k: v.flatten(0, 1) for k, v in batch["obs"].items()}
     times = {name: [] for name in ("encoder forward", "forward + loss", "backward", "clip + Adam step",
                                    "weights to the acting agent")}
+    matmul_rates = []  # a burst of matrix products after each update: the same load as the update it is compared to
     for update in range(3 + args.updates):
         marks = [time.perf_counter()]
         with torch.no_grad():
@@ -89,6 +92,7 @@ def main():
         if update >= 3:
             for name, start, end in zip(times, marks, marks[1:]):
                 times[name].append(end - start)
+            matmul_rates.append(matmul_gflops())
     ms = {name: 1e3 * float(np.median(v)) for name, v in times.items()}
     update_ms = sum(ms.values()) - ms["encoder forward"]  # the encoder runs again inside forward + loss
     print(f"one update of {args.batch_size} steps, {torch.get_num_threads()} torch threads, "
@@ -102,36 +106,55 @@ def main():
     with FlopCounterMode(display=False) as counter:
         loss, _ = oni_appo.appo_loss(agent, batch, rewards, train_args)
         loss.backward()
-    update_gflop, matmul = counter.get_total_flops() / 1e9, matmul_gflops()
+    update_gflop, matmul = counter.get_total_flops() / 1e9, float(np.median(matmul_rates))
     rate = update_gflop / (update_ms / 1e3)
     print(f"arithmetic: {update_gflop:.3f} GFLOP per update (matrix products and convolutions) = {rate:.0f} GFLOP/s; "
           f"a 1024x1024 matrix product: {matmul:.0f} GFLOP/s on the same threads = {rate / matmul:.0%} of it; "
-          f"at matrix-product speed the update would be {matmul / rate:.2f}x faster")
+          f"with its operations at matrix-product speed the update would be {matmul / rate:.2f}x faster")
+    with torch.no_grad():
+        per_step = {n: inference_us(acting_agent, {k: v[:n] for k, v in flat_obs.items()}) for n in (8, 16, 32, 64, 128)
+                    if n <= len(flat_obs["chars"])}
+    print("inference (Agent.step, no grad), us per env step by batch size: " +
+          ", ".join(f"{n}: {us:.0f}" for n, us in per_step.items()))
     if args.bf16:
-        timed = {precision: forward_backward(agent, batch, rewards, train_args, precision == "bfloat16", args.updates)
-                 for precision in ("float32", "bfloat16")}
-        (fp32_ms, fp32_loss), (bf16_ms, bf16_loss) = timed.values()
-        print(f"forward + backward: float32 {fp32_ms:.0f} ms, loss {fp32_loss:.6f}; bfloat16 autocast {bf16_ms:.0f} ms, "
-              f"loss {bf16_loss:.6f}: {fp32_ms / bf16_ms:.2f}x faster, loss off by {abs(bf16_loss / fp32_loss - 1):.1e}")
+        compare_bf16(agent, batch, rewards, train_args, args.updates)
 
 
-def forward_backward(agent, batch, rewards, train_args, bf16, updates):
-    """Median ms of forward + backward (after 2 warm-up ones) and the loss, under bf16 autocast or not."""
-    times = []
+def inference_us(agent, obs, repeats=20):
+    n = len(obs["chars"])
+    h = torch.zeros(n, agent.gru.hidden_size)
+    agent.step(obs, h)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        agent.step(obs, h)
+    return 1e6 * (time.perf_counter() - start) / repeats / n
+
+
+def compare_bf16(agent, batch, rewards, train_args, updates):
+    """Forward + backward in float32 and under bf16 autocast, alternated (the box's load moves); their losses and
+    the gradients' relative difference on the same weights."""
+    times, losses, grads = {False: [], True: []}, {}, {}
     for update in range(2 + updates):
-        start = time.perf_counter()
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            loss, _ = oni_appo.appo_loss(agent, batch, rewards, train_args)
-        agent.zero_grad(set_to_none=True)
-        loss.backward()
-        times.append(time.perf_counter() - start)
-    return 1e3 * float(np.median(times[2:])), loss.item()
+        for bf16 in (False, True):
+            start = time.perf_counter()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                loss, _ = oni_appo.appo_loss(agent, batch, rewards, train_args)
+            agent.zero_grad(set_to_none=True)
+            loss.backward()
+            if update >= 2:
+                times[bf16].append(time.perf_counter() - start)
+            losses[bf16] = loss.item()
+            grads[bf16] = torch.cat([p.grad.flatten() for p in agent.parameters()])
+    fp32_ms, bf16_ms = (1e3 * float(np.median(times[bf16])) for bf16 in (False, True))
+    grad_error = ((grads[True] - grads[False]).norm() / grads[False].norm()).item()
+    print(f"forward + backward: float32 {fp32_ms:.0f} ms, loss {losses[False]:.6f}; bfloat16 autocast {bf16_ms:.0f} ms, "
+          f"loss {losses[True]:.6f}: {fp32_ms / bf16_ms:.2f}x faster, loss off by {abs(losses[True] / losses[False] - 1):.1e}, "
+          f"gradient off by {grad_error:.1e} (relative norm)")
 
 
-def matmul_gflops(n=1024, repeats=20):
+def matmul_gflops(n=1024, repeats=5):
     a, b = torch.randn(n, n), torch.randn(n, n)
-    for _ in range(3):
-        a @ b
+    a @ b
     start = time.perf_counter()
     for _ in range(repeats):
         a @ b

@@ -137,7 +137,8 @@ def main():
     print(f"{rows[0][0]:48s} {rows[0][1]:10,.0f} steps/s", flush=True)
     none = train(["--reward-type", "none"], args.steps, args.num_workers, args.num_envs_per_worker)
     rows.append(("oni_appo --reward-type none", none["sps"], none))
-    print(f"{rows[1][0]:48s} {none['sps']:10,.0f} steps/s  ({none['sps'] / rows[0][1]:.3f} of raw)", flush=True)
+    print(f"{rows[1][0]:48s} {none['sps']:10,.0f} steps/s  ({none['sps'] / rows[0][1]:.3f} of raw; "
+          f"mean policy lag {none['lag_mean']:.2f} updates)", flush=True)
     if args.collection:
         alone = train(["--reward-type", "none"], args.steps, args.num_workers, args.num_envs_per_worker, collection=True)
         print(f"{'collection alone (learner does no update)':48s} {alone['sps']:10,.0f} steps/s  "

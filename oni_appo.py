@@ -77,8 +77,8 @@ class Args:
     """time limit of an episode in steps (truncated, bootstrapped); NLE's default 5000"""
     raw_ranking: bool = False
     """ranking: the reward model's raw output (as the reference code), not the normalized, median-thresholded one"""
-    reward_model_share: float = 1.0
-    """classification/ranking: most of wall time their trainer may take; 1 keeps the reference's steps per label"""
+    reward_model_share: float | None = None
+    """classification/ranking: the most of wall time their trainer may take (default 1: no rest, see README)"""
     llm_url: list[str] = field(default_factory=list)
     """base URLs of OpenAI-compatible LLM servers, requests spread across them (none: the embedded llm_server.py)"""
     llm_model: str | None = None
@@ -374,6 +374,8 @@ def parse_args(argv=None) -> Args:
         fail(f"unknown reward type {args.reward_type!r}; choose one of {', '.join(reward_models.REWARD_TYPES)}")
     if args.num_workers < 1 or args.num_envs_per_worker < 2 or args.num_envs_per_worker % 2:
         fail("need --num-workers >= 1 and an even --num-envs-per-worker >= 2")
+    if args.reward_model_share is None:  # None until here, so that a resume sees an explicit 1 as a change
+        args.reward_model_share = 1.0
     if args.max_episode_steps < 1 or (args.llm_threads is not None and args.llm_threads < 1) or not 0 < args.reward_model_share <= 1:
         fail("need --max-episode-steps >= 1, --llm-threads >= 1 and 0 < --reward-model-share <= 1")
     slot_steps = args.rollout * args.num_envs_per_worker // 2

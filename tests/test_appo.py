@@ -523,3 +523,21 @@ def test_resume_takes_the_llm_flags_and_names_the_flags_it_ignores(tmp_path, cap
                                 "--lr", "0.5"])
     assert (args.llm_model, args.prompt_file, args.lr, args.reward_type) == ("right-model", "fixed.json", 1e-4, "ranking")
     assert "--resume: ignoring --lr" in capsys.readouterr().err
+    for saved_share, argv, share in ((0.5, [], 0.5), (0.5, ["--reward-model-share", "1"], 1.0),
+                                     (None, [], 1.0), (None, ["--reward-model-share", "0.2"], 0.2)):
+        saved = dataclasses.asdict(oni_appo.Args(reward_type="ranking", reward_model_share=saved_share, run_dir=str(tmp_path)))
+        if saved_share is None:  # a checkpoint from before the flag
+            del saved["reward_model_share"]
+        torch.save({"model": {}, "counters": {}, "args": saved}, path)
+        assert oni_appo.parse_args(["--resume", path, *argv]).reward_model_share == share, (saved_share, argv)
+
+
+def test_the_trainer_gets_the_reward_model_share(tmp_path, monkeypatch):
+    import reward_models
+    shares = []
+    monkeypatch.setattr(reward_models.TrainedModel, "start", lambda self, share=1.0: shares.append(share))
+    monkeypatch.setattr(reward_models, "NEEDS_LLM", ())  # no annotator, no LLM server
+    for argv, share in (([], 1.0), (["--reward-model-share", "0.25"], 0.25)):
+        run = oni_appo.set_up(oni_appo.parse_args(["--reward-type", "classification", *argv, "--run-dir", str(tmp_path / "r")]))
+        run.writer.close()
+        assert shares.pop() == share

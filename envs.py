@@ -67,8 +67,10 @@ class NetHackTask(base.NLE):
                  max_episode_steps: int = MAX_EPISODE_STEPS, **nle_kwargs):
         if task not in TASKS:
             raise ValueError(f"unknown task {task!r}; known tasks: {', '.join(TASKS)}")
-        super().__init__(character=character, max_episode_steps=max_episode_steps,
-                         observation_keys=OBS_KEYS, actions=ACTIONS, **nle_kwargs)
+        # fix_moon_phase: NetHack reads the wall clock (a full moon's +1 Luck changes prayer and combat; new
+        # moon, Friday the 13th, night too); with it these follow the game's seeds, so a seed is one game on any date
+        super().__init__(character=character, max_episode_steps=max_episode_steps, observation_keys=OBS_KEYS,
+                         actions=ACTIONS, **{"fix_moon_phase": True, **nle_kwargs})
         self.task, self.goal = task, TASKS[task]
         self.oracle_glyph = monster_glyph("Oracle") if self.goal == "oracle" else None
         self._seeds = np.random.default_rng(seed) if seed is not None else None
@@ -81,6 +83,8 @@ class NetHackTask(base.NLE):
         if self._seeds is not None:  # every episode gets its own game seeds from the env's stream
             core, disp = (int(s) for s in self._seeds.integers(1, 2**62, size=2))
             super().seed(core, disp, reseed=False)
+        else:  # random seeds, set explicitly: unseeded, NLE would take the moon phase from the clock
+            super().seed(reseed=False)
         obs, _ = super().reset(options=options)
         self._item_key, self._texts, self._message_counts, self._explored = None, [], {}, {}
         self._kills, self._return, self._max_depth = 0, 0.0, 1

@@ -33,7 +33,7 @@ def main():
     args = parser.parse_args()
     print(f"{'task':42s} {'raw NLE/s':>10s} {'task/s':>10s} {'ratio':>6s}")
     for task in envs.TASKS:
-        raw = base.NLE(observation_keys=envs.OBS_KEYS, actions=envs.ACTIONS)
+        raw = base.NLE(observation_keys=envs.OBS_KEYS, actions=envs.ACTIONS, fix_moon_phase=True)  # as envs.py
         ours = envs.make_env(task, seed=0)
         raw.reset(seed=0)
         ours.reset()

@@ -35,7 +35,7 @@ def raw_nle_worker(seconds, seed, out):
     from nle.env import base
 
     import envs
-    env = base.NLE(observation_keys=envs.OBS_KEYS, actions=envs.ACTIONS)
+    env = base.NLE(observation_keys=envs.OBS_KEYS, actions=envs.ACTIONS, fix_moon_phase=True)  # as envs.py
     env.reset(seed=seed)
     rng, steps, start = np.random.default_rng(seed), 0, time.perf_counter()
     while time.perf_counter() - start < seconds:

@@ -77,8 +77,8 @@ class Args:
     """time limit of an episode in steps (truncated, bootstrapped); NLE's default 5000"""
     raw_ranking: bool = False
     """ranking: the reward model's raw output (as the reference code), not the normalized, median-thresholded one"""
-    reward_model_share: float | None = None
-    """classification/ranking: the most of wall time their trainer may take (default 1: no rest, see README)"""
+    reward_model_share: float = 1.0
+    """classification/ranking: the most of wall time their trainer may take (1: no rest, see README)"""
     llm_url: list[str] = field(default_factory=list)
     """base URLs of OpenAI-compatible LLM servers, requests spread across them (none: the embedded llm_server.py)"""
     llm_model: str | None = None
@@ -356,15 +356,23 @@ def load_checkpoint(path, agent=None):
     return path, checkpoint, saved
 
 
+def given_flags(argv) -> set[str]:
+    """The Args fields named on the command line (--a-b, --a_b, --a=v, --no-a), whatever their values: a resume
+    must apply `--num-workers 2` even where 2 is the default, and `--llm-url` with no URL (back to the embedded server)."""
+    names = {f.name for f in dataclasses.fields(Args)}
+    flags = {token[2:].split("=", 1)[0].replace("-", "_") for token in argv if token.startswith("--")}
+    return {name if name in names else name.removeprefix("no_") for name in flags} & names
+
+
 def parse_args(argv=None) -> Args:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = tyro.cli(Args, args=argv)
     if args.resume is not None:
         path, _, saved = load_checkpoint(args.resume)
-        defaults = Args()
-        for name in [f.name for f in dataclasses.fields(Args) if getattr(args, f.name) != getattr(defaults, f.name)]:
+        for name in sorted(given_flags(argv) - {"resume", "run_dir"}):
             if name in RESUME_OVERRIDES:
                 setattr(saved, name, getattr(args, name))
-            elif name not in ("resume", "run_dir"):
+            else:
                 print(f"--resume: ignoring --{name.replace('_', '-')}; the run keeps its saved value", file=sys.stderr)
         saved.resume, saved.run_dir = path, os.path.dirname(path)
         args = saved
@@ -374,8 +382,6 @@ def parse_args(argv=None) -> Args:
         fail(f"unknown reward type {args.reward_type!r}; choose one of {', '.join(reward_models.REWARD_TYPES)}")
     if args.num_workers < 1 or args.num_envs_per_worker < 2 or args.num_envs_per_worker % 2:
         fail("need --num-workers >= 1 and an even --num-envs-per-worker >= 2")
-    if args.reward_model_share is None:  # None until here, so that a resume sees an explicit 1 as a change
-        args.reward_model_share = 1.0
     if args.max_episode_steps < 1 or (args.llm_threads is not None and args.llm_threads < 1) or not 0 < args.reward_model_share <= 1:
         fail("need --max-episode-steps >= 1, --llm-threads >= 1 and 0 < --reward-model-share <= 1")
     slot_steps = args.rollout * args.num_envs_per_worker // 2

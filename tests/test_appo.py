@@ -533,6 +533,24 @@ def test_resume_takes_the_llm_flags_and_names_the_flags_it_ignores(tmp_path, cap
         assert oni_appo.parse_args(["--resume", path, *argv]).reward_model_share == share, (saved_share, argv)
 
 
+def test_resume_applies_every_flag_given_even_at_its_default(tmp_path, capsys):
+    """A flag given with its default value counted as not given: a run saved with 16 workers and 500,000 steps
+    kept both under `--num-workers 2 --total-env-steps 2000000000` on a 2-core box, and could never leave --llm-url."""
+    import dataclasses
+    path = str(tmp_path / "checkpoint.pt")
+    saved = oni_appo.Args(reward_type="ranking", num_workers=16, total_env_steps=500_000, llm_url=["http://gpu:8000/v1"],
+                          reward_model_share=0.5, run_dir=str(tmp_path))
+    torch.save({"model": {}, "counters": {}, "args": dataclasses.asdict(saved)}, path)
+    defaults = oni_appo.Args()
+    kept = oni_appo.parse_args(["--resume", path])  # nothing given: the saved values
+    assert (kept.num_workers, kept.total_env_steps, kept.llm_url, kept.reward_model_share) == (16, 500_000, ["http://gpu:8000/v1"], 0.5)
+    args = oni_appo.parse_args(["--resume", path, "--num-workers", str(defaults.num_workers), "--total_env_steps=2000000000",
+                                "--llm-url", "--reward-model-share", "1", "--lr", str(defaults.lr), "--no-raw-ranking"])
+    assert (args.num_workers, args.total_env_steps, args.llm_url, args.reward_model_share) == (defaults.num_workers, 2_000_000_000, [], 1.0)
+    err = capsys.readouterr().err  # explicit defaults of flags a run keeps are named too
+    assert "--resume: ignoring --lr" in err and "--resume: ignoring --raw-ranking" in err and "--num-workers" not in err
+
+
 def test_the_trainer_gets_the_reward_model_share(tmp_path, monkeypatch):
     import reward_models
     shares = []

@@ -64,18 +64,19 @@ class NetHackTask(base.NLE):
     bottom-line stats each step and to add the extended-action behaviour."""
 
     def __init__(self, task: str, seed: int | None = None, character: str = DEFAULT_CHARACTER,
-                 max_episode_steps: int = MAX_EPISODE_STEPS, **nle_kwargs):
+                 max_episode_steps: int = MAX_EPISODE_STEPS, extra_keys: tuple[str, ...] = (), **nle_kwargs):
         if task not in TASKS:
             raise ValueError(f"unknown task {task!r}; known tasks: {', '.join(TASKS)}")
         # fix_moon_phase: NetHack reads the wall clock (a full moon's +1 Luck changes prayer and combat; new
-        # moon, Friday the 13th, night too); with it these follow the game's seeds, so a seed is one game on any date
-        super().__init__(character=character, max_episode_steps=max_episode_steps, observation_keys=OBS_KEYS,
-                         actions=ACTIONS, **{"fix_moon_phase": True, **nle_kwargs})
+        # moon, Friday the 13th, night too); with it these follow the game's seeds, so a seed is one game on any date.
+        # extra_keys: more of NLE's observations, in obs too (evaluate.py's replays read the terminal, tty_*)
+        super().__init__(character=character, max_episode_steps=max_episode_steps,
+                         observation_keys=OBS_KEYS + tuple(extra_keys), actions=ACTIONS,
+                         **{"fix_moon_phase": True, **nle_kwargs})
         self.task, self.goal = task, TASKS[task]
         self.oracle_glyph = monster_glyph("Oracle") if self.goal == "oracle" else None
         self._seeds = np.random.default_rng(seed) if seed is not None else None
         self._keys = tuple(int(a) for a in ACTIONS)
-        self._obs_index = [self._observation_keys.index(k) for k in OBS_KEYS]
 
     def reset(self, seed=None, options=None):
         if seed is not None:
@@ -128,9 +129,6 @@ class NetHackTask(base.NLE):
             obs = {k: v.copy() for k, v in obs.items()}
             self._quit_game(observation, done)
         return obs, reward, done or success, truncated, info
-
-    def _get_observation(self, observation):
-        return {k: observation[i] for k, i in zip(OBS_KEYS, self._obs_index)}
 
     def _send_action(self, action: int, key: int):
         self._texts = []

@@ -2,20 +2,33 @@
 
     python evaluate.py runs/NAME --episodes 20            # the trained policy -> runs/NAME/eval.json
     python evaluate.py runs/NAME --episodes 20 --random   # the same games, uniformly random actions
+    python evaluate.py runs/NAME --episodes 3 --record runs/NAME/replay   # and each episode's replay
 
 The games come from the run's seed but from a stream no training run plays, so a policy and the
 random baseline are compared on the same episodes. Actions are sampled, as in training.
 (Its own file, as CleanRL keeps its evals apart from the training scripts.)
+
+--record DIR writes, per episode, NLE's own ttyrec (episodeK.ttyrec3.bz2, for any ttyrec player) and
+episodeK.html: a self-contained page (the template replay.html, no server, no network) with the terminal
+of every step, its action, message, the message's count N in the episode, its LLM label, R and the paid
+R/N^beta under the checkpoint's reward model (the learner's own code: what it would pay), and the env reward.
+K numbers the episodes in the order they start.
 """
+import glob
 import json
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import tyro
+from nle import nethack
 
+import annotator
 import envs
+import reward_models
 from oni_appo import OBS_FIELDS, Agent, fail, load_checkpoint, pick_device
 
 
@@ -29,21 +42,96 @@ class Args:
     """play the same episodes with uniformly random actions instead (a baseline)"""
     device: str = "auto"
     """torch device: auto (cuda if there is one), cpu, cuda, cuda:1..."""
+    record: str | None = None
+    """write each episode's replay here: NLE's ttyrec and an HTML page"""
+    record_episodes: int | None = None
+    """with --record: only the first this many episodes (default: all)"""
+
+
+TEMPLATE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "replay.html")
+TTY_KEYS = ("tty_chars", "tty_colors")  # the terminal, asked of NLE only when recording (it slows every step)
+BLANK = np.stack([np.full(24 * 80, ord(" "), np.uint8), np.zeros(24 * 80, np.uint8)])  # chars, colours
+ACTION_NAMES = [f"{a.name} {chr(a)!r}" for a in envs.ACTIONS]  # with the key: N 'k' and the far N 'K' differ
+TTYREC = f".ttyrec{nethack.TTYREC_VERSION}.bz2"  # NLE's own suffix
+COLOUR_DIGITS = bytes.maketrans(bytes(range(16)), b"0123456789abcdef")
+MERGE_GAP = 4  # changed cells fewer than this apart are one run: a run's own cost is ~10 characters
+
+
+def reward_model(path, checkpoint, saved, device) -> reward_models.IntrinsicReward:
+    """The run's reward model as the checkpoint holds it, built as oni_appo.py's --resume does."""
+    intrinsic = reward_models.IntrinsicReward(saved, device)
+    labels = os.path.join(os.path.dirname(path), annotator.LABELS_FILE)
+    if os.path.exists(labels):
+        intrinsic.add_labels(annotator.read_labels(labels))
+    intrinsic.load_state_dict(checkpoint.get("intrinsic", {}))
+    return intrinsic
+
+
+def changed_runs(previous, screen) -> list:
+    """The cells of screen ([chars, colours] x 1920) that differ from previous, as runs [first cell, chars, colours
+    in hex digits]: a 5,000-step page stays small, as a step changes a few cells."""
+    changed = np.flatnonzero((previous != screen).any(axis=0))
+    if not len(changed):
+        return []
+    cuts = np.flatnonzero(np.diff(changed) >= MERGE_GAP)
+    return [[int(a), screen[0, a:b].tobytes().decode("latin-1"), screen[1, a:b].tobytes().translate(COLOUR_DIGITS).decode()]
+            for a, b in zip(changed[np.r_[0, cuts + 1]], changed[np.r_[cuts, len(changed) - 1]] + 1)]
+
+
+def record_step(episode, obs, action, reward, terminated, info):
+    """One step into the episode's record: its screen (as the cells changed), action, message, N, env reward."""
+    screen = np.stack([obs["tty_chars"].ravel(), obs["tty_colors"].ravel().view(np.uint8)])
+    episode["frames"].append(changed_runs(episode["screen"], screen))
+    episode["screen"] = screen
+    episode["steps"].append((action, obs["message"].copy(), info["message_count"], reward, terminated))
+
+
+def write_replay(path, episode, intrinsic, title, summary):
+    """episodeK.html: the template with the episode's data, its rewards from the learner's own code."""
+    actions, messages, counts, env_rewards, terminal = zip(*episode["steps"])
+    messages, counts = torch.from_numpy(np.stack(messages))[:, None], torch.tensor(counts)[:, None]
+    batch = torch.tensor(env_rewards)[:, None], messages, counts, torch.tensor(terminal)[:, None]  # [T, B = 1]
+    reward, paid, _ = intrinsic.rewards(*batch)
+    _, value, _ = intrinsic.rewards(*batch[:2], torch.ones_like(counts), batch[3])  # R: what it pays at N = 1
+    texts = [envs.message_bytes(m).decode("latin-1") for m in messages[:, 0].numpy()]
+    distinct = {text: i for i, text in enumerate(dict.fromkeys(texts))}
+    data = {"title": title, "summary": summary, "actions": ACTION_NAMES, "frames": episode["frames"],
+            "action": list(actions), "messages": list(distinct), "labels": [intrinsic.piece.labels.get(t) for t in distinct],
+            "message": [distinct[t] for t in texts], "count": counts[:, 0].tolist(),
+            "value": value[:, 0].tolist(), "paid": paid[:, 0].tolist(), "env_reward": list(env_rewards),
+            "reward": reward[:, 0].tolist()}
+    with open(TEMPLATE) as f:
+        page = f.read().replace("REPLAY_DATA", json.dumps(data, separators=(",", ":")).replace("</", "<\\/"))
+    with open(path, "w") as f:
+        f.write(page)
 
 
 def evaluate(args: Args) -> dict:
-    if args.episodes < 1:
-        fail("--episodes must be at least 1")
+    if args.episodes < 1 or (args.record_episodes is not None and args.record_episodes < 1):
+        fail("--episodes and --record-episodes must be at least 1")
     device = pick_device(args.device)
     agent = Agent().to(device).eval()
-    path, _, saved = load_checkpoint(args.checkpoint, agent)
+    path, checkpoint, saved = load_checkpoint(args.checkpoint, agent)
     torch.manual_seed(saved.seed)  # the same actions each time, and the same random ones with --random
     n = min(args.episodes, 16)
+    recorded, nle_kwargs = 0, [{} for _ in range(n)]
+    if args.record is not None:
+        recorded = min(args.record_episodes or args.episodes, args.episodes)
+        try:  # every env its own savedir: NLE names a ttyrec by the process and the env's count of resets
+            os.makedirs(args.record, exist_ok=True)
+            savedir = tempfile.mkdtemp(prefix=".nle", dir=args.record)
+        except OSError as error:
+            fail(f"cannot write replays to {args.record}: {error.strerror or error}")
+        nle_kwargs = [dict(extra_keys=TTY_KEYS, savedir=os.path.join(savedir, str(i)), save_ttyrec_every=1) for i in range(n)]
+        intrinsic = reward_model(path, checkpoint, saved, device)
     first_seed = 10_000_019 * (saved.seed + 1)  # episodes no training run plays
-    pool = [envs.make_env(saved.task, seed=first_seed + i, max_episode_steps=saved.max_episode_steps) for i in range(n)]
+    pool = [envs.make_env(saved.task, seed=first_seed + i, max_episode_steps=saved.max_episode_steps, **nle_kwargs[i])
+            for i in range(n)]
     obs = [env.reset()[0] for env in pool]
     h = torch.zeros(n, agent.gru.hidden_size, device=device)
     results, started, active = [], n, list(range(n))
+    played = [[i] for i in range(n)]  # the episodes (numbered as they start) of each env, as NLE numbers its ttyrecs
+    records = [{"screen": BLANK, "frames": [], "steps": []} for _ in range(n)]
     with torch.no_grad():
         while active:
             batch = {k: torch.from_numpy(np.stack([obs[i][k] for i in active])).to(device) for k in OBS_FIELDS}
@@ -52,14 +140,24 @@ def evaluate(args: Args) -> dict:
                 logits = torch.zeros_like(logits)
             actions = torch.distributions.Categorical(logits=logits).sample().tolist()
             for i, action in zip(list(active), actions):
-                obs[i], _, terminated, truncated, info = pool[i].step(action)
+                obs[i], reward, terminated, truncated, info = pool[i].step(action)
+                if played[i][-1] < recorded:
+                    record_step(records[i], obs[i], action, reward, terminated, info)
                 if terminated or truncated:
                     results.append(info["episode"])
+                    if played[i][-1] < recorded:
+                        write_replay(os.path.join(args.record, f"episode{played[i][-1]}.html"), records[i], intrinsic,
+                                     f"{saved.task}, {'random actions' if args.random else path}, episode "
+                                     f"{played[i][-1]}", ", ".join(f"{k} {v:g}" for k, v in info["episode"].items()))
+                        records[i] = {"screen": BLANK, "frames": [], "steps": []}
                     if started < args.episodes:
+                        played[i].append(started)
                         started += 1
                         obs[i], h[i] = pool[i].reset()[0], 0.0
                     else:
                         active.remove(i)
+    for env in pool:
+        env.close()  # NLE closes an episode's ttyrec at the next reset or here
     summary = {k: float(np.mean([r[k] for r in results])) for k in results[0]}
     print(f"{len(results)} episodes of {saved.task} with {'random actions' if args.random else path}:")
     for k, v in summary.items():
@@ -67,6 +165,14 @@ def evaluate(args: Args) -> dict:
     out = os.path.join(os.path.dirname(path), "eval_random.json" if args.random else "eval.json")
     with open(out, "w") as f:
         json.dump({"checkpoint": path, "random_actions": args.random, "episodes": results, "mean": summary}, f, indent=1)
+    if recorded:
+        for i, episodes in enumerate(played):
+            for reset, k in enumerate(episodes):
+                if k < recorded:
+                    (ttyrec,) = glob.glob(os.path.join(savedir, str(i), f"nle.*.{reset}{TTYREC}"))
+                    os.replace(ttyrec, os.path.join(args.record, f"episode{k}{TTYREC}"))
+        shutil.rmtree(savedir)
+        print(f"replays of episodes 0-{recorded - 1}: {args.record}/episodeK.html and episodeK{TTYREC}")
     return summary
 
 

@@ -5,6 +5,7 @@
     python benchmarks/learning_curves.py --steps 2e9 -- --llm-url http://gpu:8000/v1   # the paper's scale
     python benchmarks/learning_curves.py --plot results/curves/free_none runs/some_run  # only plot
     python benchmarks/learning_curves.py --eval results/curves/score_extrinsic results/curves/free_ranking
+    python benchmarks/learning_curves.py --eval results/curves/free_retrieval --record   # + first episode's replay
 
 Configurations (steps by default):
     score_extrinsic  --task NetHackScoreExtendedActions-v1 --reward-type none           1,000,000
@@ -20,6 +21,8 @@ Plotting takes config dirs (holding seed*/episodes.jsonl) or run dirs (holding e
 OUT/curves.png: score, kills, depth, explored and intrinsic return against env steps; per seed the
 episodes' means in 25 equal bins of env steps, per config the mean over seeds (line) and their
 min-max (shaded). OUT/curves.md: per config the last-100-episode means (mean ± std over seeds).
+--eval --record also writes the replay of each run's first evaluated episode (evaluate.py --record) to
+RUN/replay and RUN/replay_random: episode0.html and NLE's episode0.ttyrec3.bz2.
 """
 import argparse
 import glob
@@ -207,20 +210,25 @@ def report(dirs, out, figure):
     print(table(runs) + f"figure: {figure}; table: {markdown}")
 
 
-def evaluate(dirs, episodes):
-    """`evaluate.py` on each run's final checkpoint and `--random` on the same episodes (their
-    seeds come from the run's seed), unless done; then one markdown table of the means +- std over episodes."""
+def evaluate(dirs, episodes, record=False):
+    """`evaluate.py` on each run's final checkpoint and `--random` on the same episodes (their seeds come
+    from the run's seed), unless done (with record: and their first episode's replay); then one markdown
+    table of the means +- std over episodes."""
     rows = ["| run | policy | episodes | score | kills | depth | explored | steps |", "|---|---|---|---|---|---|---|---|"]
     for run_dir in sorted(d for path in dirs for d in glob.glob(os.path.join(path, "seed*")) or [path]):
-        for flags, name in (([], "eval.json"), (["--random"], "eval_random.json")):
-            if not os.path.exists(os.path.join(run_dir, name)):
+        for random, name in ((False, "eval.json"), (True, "eval_random.json")):
+            flags, replay = ["--random"] * random, os.path.join(run_dir, "replay_random" if random else "replay")
+            if record:
+                flags += ["--record", replay, "--record-episodes", "1"]
+            if not os.path.exists(os.path.join(run_dir, name)) or (
+                    record and not os.path.exists(os.path.join(replay, "episode0.html"))):
                 execute([sys.executable, "evaluate.py", run_dir, "--episodes", str(episodes), *flags],
                         subprocess.DEVNULL)
             if os.path.exists(os.path.join(run_dir, name)):
                 results = json.load(open(os.path.join(run_dir, name)))["episodes"]
                 cells = [f"{np.mean([e[k] for e in results]):.2f} ± {np.std([e[k] for e in results]):.2f}"
                          for k in ("score", "kills", "depth", "explored", "steps")]
-                rows.append(f"| {os.path.relpath(run_dir, ROOT)} | {'random actions' if flags else 'trained'} | "
+                rows.append(f"| {os.path.relpath(run_dir, ROOT)} | {'random actions' if random else 'trained'} | "
                             f"{len(results)} | " + " | ".join(cells) + " |")
     return "\n".join(rows) + "\n"
 
@@ -241,6 +249,8 @@ def main(argv=None):
     parser.add_argument("--eval", nargs="+", metavar="DIR", help="only evaluate these config or run dirs "
                         "(trained policy and random actions, --eval-episodes each) into OUT/eval.md")
     parser.add_argument("--eval-episodes", type=int, default=20)
+    parser.add_argument("--record", action="store_true", help="with --eval: also the replay of each run's first "
+                        "episode, trained and random, in RUN/replay and RUN/replay_random")
     args = parser.parse_args(argv)
     if args.plot or args.eval:
         if args.plot:
@@ -248,7 +258,7 @@ def main(argv=None):
         if args.eval:
             os.makedirs(args.out, exist_ok=True)
             with open(os.path.join(args.out, "eval.md"), "w") as f:
-                f.write(evaluate(args.eval, args.eval_episodes))
+                f.write(evaluate(args.eval, args.eval_episodes, args.record))
             print(open(os.path.join(args.out, "eval.md")).read())
         return 0
     if args.num_workers is not None:

@@ -126,3 +126,19 @@ def test_eval_table_and_commands(tmp_path, monkeypatch):
     assert len(lines) == 4
     trained, random = ([c.strip() for c in line.strip("|").split("|")] for line in lines[2:])
     assert trained[1:4] == ["trained", "2", "3.00 ± 1.00"] and random[1:4] == ["random actions", "2", "30.00 ± 10.00"]
+
+
+def test_eval_record_asks_for_the_first_episodes_replay(tmp_path, monkeypatch):
+    """--eval --record: evaluate.py records episode 0, trained and random, again where a replay is missing."""
+    run_dir = tmp_path / "cfg" / "seed1"
+    os.makedirs(run_dir / "replay_random")
+    episodes = [{"score": 1, "kills": 1, "depth": 1, "explored": 10, "steps": 100}]
+    for name in ("eval.json", "eval_random.json"):  # evaluated, but only the random replay is there
+        (run_dir / name).write_text(json.dumps({"episodes": episodes}))
+    (run_dir / "replay_random" / "episode0.html").write_text("")
+    calls = []
+    monkeypatch.setattr(lc, "execute", lambda command, log: calls.append(command) or 0)
+    assert lc.main(["--eval", str(tmp_path / "cfg"), "--out", str(tmp_path / "out"), "--eval-episodes", "3",
+                    "--record"]) == 0
+    assert [c[1:] for c in calls] == [["evaluate.py", str(run_dir), "--episodes", "3", "--record",
+                                       str(run_dir / "replay"), "--record-episodes", "1"]]

@@ -1,0 +1,116 @@
+"""evaluate.py --record on a short real episode: the page holds one frame per step and what the learner would pay
+(recomputed here by the project's reward code on the same game replayed), opens in a real headless chromium,
+and NLE's ttyrec reader reads NLE's recording, every step's screen among its frames."""
+import dataclasses
+import json
+import os
+import re
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+from nle import _pyconverter
+
+import envs
+import evaluate
+import oni_appo
+import reward_models
+
+STEPS, SEED = 40, 3
+HELPFUL = "Unknown command '^M'."  # MORE with no --More-- up: a random policy shows it often, with growing N
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    """A retrieval run with one label and an untrained policy; its first episode (of two) recorded."""
+    run_dir = tmp_path_factory.mktemp("run")
+    args = oni_appo.Args(reward_type="retrieval", extrinsic_coef=0.1, max_episode_steps=STEPS, seed=SEED)
+    torch.manual_seed(0)
+    torch.save({"model": oni_appo.Agent().state_dict(), "args": dataclasses.asdict(args), "counters": {}},
+               run_dir / "checkpoint.pt")
+    (run_dir / "labels.jsonl").write_text(json.dumps({"caption": HELPFUL, "label": 1}) + "\n")
+    evaluate.evaluate(evaluate.Args(str(run_dir), episodes=2, record=str(run_dir / "replay"), record_episodes=1,
+                                    device="cpu"))
+    page = open(run_dir / "replay" / "episode0.html").read()
+    data = json.loads(re.search(r'<script id="data" type="application/json">(.*?)</script>', page, re.S).group(1))
+    return run_dir, args, data
+
+
+def screens(data):
+    """Each step's [chars, colours] screen, undoing the page's encoding (runs of changed cells)."""
+    screen, out = evaluate.BLANK.copy(), []
+    for runs in data["frames"]:
+        for at, text, colours in runs:
+            screen[0, at:at + len(text)] = np.frombuffer(text.encode("latin-1"), np.uint8)
+            screen[1, at:at + len(text)] = [int(c, 16) for c in colours]
+        out.append(screen.reshape(2, 24, 80).copy())
+    return out
+
+
+def test_the_page_holds_every_step_and_what_the_learner_would_pay(recorded):
+    run_dir, args, data = recorded
+    assert sorted(os.listdir(run_dir / "replay")) == ["episode0.html", f"episode0{evaluate.TTYREC}"]
+    assert len(data["frames"]) == len(data["action"]) == len(data["paid"]) == STEPS  # truncated at STEPS
+    # the same game again (evaluate.py's first env's seed) with the page's actions: its messages and N
+    env = envs.make_env(args.task, seed=10_000_019 * (SEED + 1), max_episode_steps=STEPS)
+    env.reset()
+    messages, counts, env_rewards, terminal = [], [], [], []
+    for action in data["action"]:
+        obs, reward, terminated, truncated, info = env.step(action)
+        messages.append(obs["message"].copy())
+        counts.append(info["message_count"])
+        env_rewards.append(reward)
+        terminal.append(terminated)
+    env.close()
+    assert truncated and [data["messages"][i] for i in data["message"]] == [
+        envs.message_bytes(m).decode("latin-1") for m in messages]
+    assert data["count"] == counts and data["env_reward"] == env_rewards
+    intrinsic = reward_models.IntrinsicReward(args, torch.device("cpu"))
+    intrinsic.add_labels([{"caption": HELPFUL, "label": 1}])
+    reward, paid, _ = intrinsic.rewards(torch.tensor(env_rewards)[:, None], torch.from_numpy(np.stack(messages))[:, None],
+                                        torch.tensor(counts)[:, None], torch.tensor(terminal)[:, None])
+    assert data["paid"] == paid[:, 0].tolist() and data["reward"] == reward[:, 0].tolist()
+    helpful = [t for t, i in enumerate(data["message"]) if data["messages"][i] == HELPFUL]
+    assert len(helpful) >= 2 and data["paid"][helpful[1]] == 1 / 2 ** args.count_beta  # the test means something
+    assert all(data["value"][t] == 1 for t in helpful) and sum(map(bool, data["value"])) == len(helpful)
+    assert data["labels"][data["message"][helpful[0]]] == 1
+    assert len(json.dumps(data)) < 400 * STEPS  # the frames are the changed cells, not 1,920 a step
+
+
+def test_nle_reads_its_ttyrec_and_every_step_screen_is_one_of_its_frames(recorded):
+    run_dir, _, data = recorded
+    converter = _pyconverter.Converter(24, 80, 3)
+    converter.load_ttyrec(str(run_dir / "replay" / f"episode0{evaluate.TTYREC}"))
+    n = 20 * STEPS
+    chars, colours = np.zeros((n, 24, 80), np.uint8), np.zeros((n, 24, 80), np.int8)
+    frames = n - converter.convert(chars, colours, np.zeros((n, 2), np.int16), np.zeros(n, np.int64),
+                                   np.zeros(n, np.uint8), np.zeros(n, np.int32))
+    assert STEPS < frames < n  # --More-- pages and the game's end are frames of their own
+    j = 0
+    for step, screen in enumerate(screens(data)):  # in order
+        while j < frames and not ((chars[j] == screen[0]).all() and (colours[j].view(np.uint8) == screen[1]).all()):
+            j += 1
+        assert j < frames, f"step {step + 1}'s screen is not in the ttyrec"
+
+
+@pytest.mark.skipif(shutil.which("chromium") is None,
+                    reason="no chromium: `apt-get install chromium` (Debian's package; .ci/run installs it)")
+def test_the_page_opens_in_headless_chromium(recorded):
+    run_dir, _, data = recorded
+    dom = subprocess.run(["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom",
+                          f"file://{run_dir}/replay/episode0.html"], capture_output=True, text=True, timeout=60).stdout
+    assert f'data-frames="{STEPS}"' in dom  # set by the page's script once it ran
+    first = data["messages"][data["message"][0]] or "(none)"
+    assert re.search(r'<td id="message">(.*?)</td>', dom).group(1) == first.replace("&", "&amp;").replace("<", "&lt;")
+    assert re.search(r'<span id="at">(.*?)</span>', dom).group(1) == f"step 1 / {STEPS}"
+
+
+def test_random_records_too_and_an_unwritable_dir_is_one_line(recorded, tmp_path):
+    run_dir, _, _ = recorded
+    evaluate.evaluate(evaluate.Args(str(run_dir), episodes=1, random=True, record=str(tmp_path / "r"), device="cpu"))
+    assert sorted(os.listdir(tmp_path / "r")) == ["episode0.html", f"episode0{evaluate.TTYREC}"]
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit, match=r"^error: cannot write replays to .*/file/replay: "):
+        evaluate.evaluate(evaluate.Args(str(run_dir), record=str(tmp_path / "file" / "replay"), device="cpu"))

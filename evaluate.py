@@ -74,8 +74,9 @@ def changed_runs(previous, screen) -> list:
     if not len(changed):
         return []
     cuts = np.flatnonzero(np.diff(changed) >= MERGE_GAP)
+    starts, ends = changed[np.r_[0, cuts + 1]], changed[np.r_[cuts, len(changed) - 1]] + 1
     return [[int(a), screen[0, a:b].tobytes().decode("latin-1"), screen[1, a:b].tobytes().translate(COLOUR_DIGITS).decode()]
-            for a, b in zip(changed[np.r_[0, cuts + 1]], changed[np.r_[cuts, len(changed) - 1]] + 1)]
+            for a, b in zip(starts, ends)]
 
 
 def record_step(episode, obs, action, reward, terminated, info):
@@ -89,10 +90,10 @@ def record_step(episode, obs, action, reward, terminated, info):
 def write_replay(path, episode, intrinsic, title, summary):
     """episodeK.html: the template with the episode's data, its rewards from the learner's own code."""
     actions, messages, counts, env_rewards, terminal = zip(*episode["steps"])
-    messages, counts = torch.from_numpy(np.stack(messages))[:, None], torch.tensor(counts)[:, None]
-    batch = torch.tensor(env_rewards)[:, None], messages, counts, torch.tensor(terminal)[:, None]  # [T, B = 1]
-    reward, paid, _ = intrinsic.rewards(*batch)
-    _, value, _ = intrinsic.rewards(*batch[:2], torch.ones_like(counts), batch[3])  # R: what it pays at N = 1
+    messages, counts = torch.from_numpy(np.stack(messages))[:, None], torch.tensor(counts)[:, None]  # [T, B = 1]
+    extrinsic, terminal = torch.tensor(env_rewards)[:, None], torch.tensor(terminal)[:, None]
+    reward, paid, _ = intrinsic.rewards(extrinsic, messages, counts, terminal)
+    _, value, _ = intrinsic.rewards(extrinsic, messages, torch.ones_like(counts), terminal)  # R: what it pays at N = 1
     texts = [envs.message_bytes(m).decode("latin-1") for m in messages[:, 0].numpy()]
     distinct = {text: i for i, text in enumerate(dict.fromkeys(texts))}
     data = {"title": title, "summary": summary, "actions": ACTION_NAMES, "frames": episode["frames"],

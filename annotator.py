@@ -13,6 +13,7 @@ import queue
 import re
 import signal
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -50,16 +51,17 @@ PROMPTS = {
         "(\"best_description\": None) if neither is better."),
     "label_completion": (
         "NetHack messages, and whether each one reports progress (killing monsters, gold, "
-        "descending, levelling up, finding things):\n"
-        "Message: You kill the gecko!\nProgress: Yes\n" "Message: You hear a door open.\nProgress: No\n"
-        "Message: You see here 8 gold pieces.\nProgress: Yes\n" "Message: The gecko bites!\nProgress: No\n"
-        "Message: Welcome to experience level 3.\nProgress: Yes\n" "Message: You miss the gecko.\nProgress: No\n"
-        "Message: You have a little trouble lifting the boulder.\nProgress: No\n"
-        "Message: {caption}\nProgress:"),
+        "descending, levelling up, finding things):\n{examples}Message: {caption}\nProgress:"),
 }
-# How much more logit " No" gets than " Yes" for completion prompts: the base model says Yes too
-# readily. Calibrated on benchmarks/label_quality.py's dev set (not on its test set).
-BIAS_TOWARDS_NO = 0.25
+# A base model copies the labels of messages like the one asked far better than it applies a stated goal
+# (benchmarks/label_quality.py): a completion prompt shows, for each message, the labelled messages nearest to
+# it by character trigrams, DEMOS_PER_LABEL of each label, nearest last. The pool is the benchmark's dev split
+# (hand-labelled messages of recorded runs); its test split never reaches a prompt.
+DEMOS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "benchmarks", "label_sets.tsv")
+DEMOS_PER_LABEL = 2
+# A base model's score of a message is logp(" Yes") - logp(" No") for the next token; helpful above THRESHOLD.
+# A pair is a tie when its two scores are closer than TIE_MARGIN. Both chosen on the dev split (--calibrate).
+THRESHOLD, TIE_MARGIN = 0.25, 0.5
 LABEL_TAG = re.compile(r"<label>\s*(FOO|BAR)\s*</label>", re.IGNORECASE)
 PREFERENCE = re.compile(r"best_description\"?\s*:\s*\"?(1|2|None)", re.IGNORECASE)
 
@@ -79,6 +81,34 @@ def parse_preference(text: str):
 def parse_choice(text: str, options: dict):
     """A completion's one-token answer: options maps an answer (lower case) to its value."""
     return options.get((text or "").strip().lower(), UNPARSEABLE)
+
+
+def trigrams(text: str) -> collections.Counter:
+    text = f"  {text.lower()} "
+    return collections.Counter(text[i:i + 3] for i in range(len(text) - 2))
+
+
+def load_demos(path=DEMOS_FILE) -> list:
+    """The demonstration pool: (message, label, its trigrams) of the dev split of a label_sets.tsv."""
+    try:
+        with open(path) as f:
+            rows = [line.rstrip("\n").split("\t") for line in f][1:]
+    except OSError as error:
+        raise Fatal(f"cannot read the demonstrations: {error}") from None
+    return [(message, int(label), trigrams(message)) for message, _, label, split, *_ in rows if split == "dev"]
+
+
+def demonstrations(caption: str, pool: list, per_label=DEMOS_PER_LABEL) -> str:
+    """The labelled messages of `pool` nearest to `caption` (cosine of trigram counts), per_label of each label,
+    the nearest last: a small model copies what it read last most."""
+    grams = trigrams(caption)
+    norm = sum(n * n for n in grams.values()) ** 0.5
+
+    def similarity(demo):
+        return sum(n * demo[2][g] for g, n in grams.items()) / (norm * sum(n * n for n in demo[2].values()) ** 0.5)
+    nearest = [d for label in (1, 0) for d in sorted((d for d in pool if d[1] == label), key=similarity)[-per_label:]]
+    return "".join(f"Message: {m}\nProgress: {'Yes' if label else 'No'}\n" for m, label, _ in
+                   sorted(nearest, key=similarity))
 
 
 def item_key(item) -> str:
@@ -141,7 +171,8 @@ class Labeler:
     def __init__(self, urls, model, prompts, timeout_s):
         self.urls, self.timeout_s = [u.rstrip("/") for u in urls], timeout_s
         self.model, self.prompts, self.style = model, prompts, None  # style: set once the model is known
-        self.labels = {}  # completion style: labels of single messages, reused across pairs
+        self.scores = {}  # completion style: scores of single messages, reused across pairs
+        self.scored, self.fallback_said = None, threading.Lock()  # scored: whether the server gives log-probabilities
 
     def call(self, url, body=None, timeout_s=None):
         """The JSON answer to a POST of `body` (a GET without one). Plain urllib: the openai package
@@ -165,6 +196,7 @@ class Labeler:
             if not self.restricted:
                 print("annotator: the server did not tokenize ' Yes'/' No': answers are not restricted to them",
                       file=sys.stderr, flush=True)
+            self.demos = load_demos()
         self.style = style
         return self.model
 
@@ -179,19 +211,39 @@ class Labeler:
                 continue
         return None
 
-    def complete(self, caption, server):
-        """A base model's label: one greedy token, restricted to ' Yes'/' No' where the server can: the
-        favourite gets a logit bias of 100, the most every backend accepts, the other that less its handicap."""
-        prompt, logit_bias = fill(self.prompts, "label_completion", caption=caption), None
+    def first_token(self, prompt, server, **options):
+        return self.call(self.urls[server] + "/completions", {"model": self.model, "prompt": prompt, "max_tokens": 1,
+                                                              "temperature": 0.0, **options})["choices"][0]
+
+    def score(self, caption, server):
+        """A base model's score of a caption, helpful above THRESHOLD: logp(" Yes") - logp(" No") where the server
+        returns log-probabilities, else one greedy token restricted where the server can to ' Yes'/' No' by logit
+        biases (the favourite +100, the most every backend accepts, ' Yes' THRESHOLD less: the same decision)."""
+        prompt = fill(self.prompts, "label_completion", caption=caption, examples=demonstrations(caption, self.demos))
+        if self.scored is not False:
+            try:
+                choice = self.first_token(prompt, server, logprobs=5)
+            except urllib.error.HTTPError as error:  # llama.cpp without --logits_all: HTTP 500 that says so
+                if error.code != 500 or b"logprobs" not in error.read():
+                    raise
+                choice = {}
+            top = ((choice.get("logprobs") or {}).get("top_logprobs") or [{}])[0]
+            if top:
+                self.scored = True
+                if " Yes" not in top and " No" not in top:
+                    return UNPARSEABLE
+                floor = min(top.values())  # a word not among the top ones is at most as likely as the last of them
+                return top.get(" Yes", floor) - top.get(" No", floor)
+            self.scored = False
+            if self.fallback_said.acquire(blocking=False):  # once, whichever request found out first
+                print("annotator: the server returns no log-probabilities: a label is its greedy Yes/No, a pair's "
+                      "preference comes from two labels", file=sys.stderr, flush=True)
+        logit_bias = None
         if self.restricted:
-            top = max(0.0, BIAS_TOWARDS_NO)
             yes, no = (str(self.token_ids[word]) for word in (" Yes", " No"))
-            logit_bias = {yes: 100.0 - top, no: 100.0 - top + BIAS_TOWARDS_NO}
-            if not all(-100.0 <= b <= 100.0 for b in logit_bias.values()):  # a backend would clamp it
-                raise Fatal(f"logit biases {logit_bias} are outside [-100, 100]")
-        answer = self.call(self.urls[server] + "/completions", {"model": self.model, "prompt": prompt, "max_tokens": 1,
-                                                                "temperature": 0.0, "logit_bias": logit_bias})
-        return parse_choice(answer["choices"][0]["text"], {"yes": 1, "no": 0})
+            logit_bias = {yes: 100.0 - max(0.0, THRESHOLD), no: 100.0 - max(0.0, -THRESHOLD)}
+        label = parse_choice(self.first_token(prompt, server, logit_bias=logit_bias)["text"], {"yes": 1, "no": 0})
+        return label if label is UNPARSEABLE else THRESHOLD + (1.0 if label else -1.0)
 
     def ask(self, item, server=0):
         """The parsed answer about a caption (str) or a (first, second) pair from server number `server`."""
@@ -205,14 +257,15 @@ class Labeler:
             text = answer["choices"][0]["message"]["content"]
             return parse_preference(text) if is_pair else parse_label(text)
         if not is_pair:
-            return self.complete(item, server)
-        # A small base model cannot compare two messages (the 270M default answers by position,
-        # not content): a pair's preference comes from the two messages' own labels.
-        first, second = (self.labels.get(m) if m in self.labels else self.ask(m, server) for m in item)
+            score = self.score(item, server)
+            return score if score is UNPARSEABLE else int(score > THRESHOLD)
+        # A small base model cannot compare two messages (the 270M default answers by position, not content):
+        # a pair's preference comes from the two messages' own scores, a tie only when they are close.
+        first, second = (self.scores[m] if m in self.scores else self.score(m, server) for m in item)
         if UNPARSEABLE in (first, second):
             return UNPARSEABLE
-        self.labels.update({item[0]: first, item[1]: second})
-        return None if first == second else 1 if first > second else 2
+        self.scores.update({item[0]: first, item[1]: second})
+        return None if abs(first - second) < TIE_MARGIN else 1 if first > second else 2
 
 
 class LabelTable(dict):
@@ -310,6 +363,8 @@ def serve(*, urls, model, prompts, concurrency, run_dir, known, requests, table,
                 continue
             pause_s[server] = 1.0
             latencies.append(time.time() - started)
+            if labeler.scored is not None:
+                counts["answers_scored"] = int(labeler.scored)
             if answer is UNPARSEABLE:
                 counts["parse_failures"] += 1
                 attempts[item] += 1
@@ -353,7 +408,7 @@ class LabelClient:
                 with open(args.prompt_file) as f:
                     self.prompts.update(json.load(f))
                 for name in ("label_user", "pair_user", "label_completion"):  # an error now, not after start-up
-                    fill(self.prompts, name, caption="c", first="a", second="b")
+                    fill(self.prompts, name, caption="c", first="a", second="b", examples="")
             except (OSError, ValueError) as error:
                 raise SystemExit(f"error: cannot read --prompt-file {args.prompt_file}: {error}")
             except Fatal as error:

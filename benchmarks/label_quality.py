@@ -1,20 +1,26 @@
-"""Agreement of an LLM labeler with obvious labels on real NetHack messages.
+"""How right an LLM labeler is on the messages an agent sees: per message, and per step.
 
-    python benchmarks/label_quality.py --calibrate      # the embedded default (starts it)
-    python benchmarks/label_quality.py --unrestricted   # as when the server cannot tokenize Yes/No
-    python benchmarks/label_quality.py --llm-url URL    # any OpenAI-compatible server
+    python benchmarks/label_quality.py                   # the embedded labeler (starts it), today's beside it
+    python benchmarks/label_quality.py --calibrate       # choose THRESHOLD and TIE_MARGIN on the dev split first
+    python benchmarks/label_quality.py --llm-url URL     # any OpenAI-compatible server (chat prompts too)
 
-The test messages are real NetHack messages whose label is obvious under the paper's goal (score:
-kill monsters, collect gold, descend, level up, find things; walls, traps, hunger and death do not
-help), and none is a near-copy of the completion prompt's few-shot examples (those would only
-measure copying). The dev set, only for choosing annotator.BIAS_TOWARDS_NO (--calibrate), shares no
-message with either. Prints agreement, the Yes-rate, which answer mode ran, and the messages it got
-wrong. With completion prompts a pair's preference is derived from its two messages' labels, so the
-pair figure restates the label agreement; with chat prompts it measures real pair prompts.
+Sets. `label_sets.tsv`: messages of this repo's recorded runs (results/**/messages.tsv), labelled by hand where
+the paper's goal (score: kill monsters, collect gold, descend, level up, find things) makes the label obvious,
+ambiguous ones left out (a pet dropping gold, a corpse, a door that opens, helpful and harmful in one message);
+`steps` sums the steps that showed a message over the runs, so the figures weigh messages as young agents see
+them. Split by near-copy group (`group`: the message with names, numbers, letters and item lists replaced, per
+sentence; a message whose sentences' groups fall on both sides is left out): no test message nor a near-copy of
+one is in the dev split, which is the annotator's demonstration pool and the only set choices are made on. On
+dev, a message's own group is left out of the pool. `old50`: the README's earlier 50 messages (GOOD, BAD), one
+step each, none in the dev split verbatim (some have near-copies there).
+
+Figures: agreement (per distinct message), the share of unhelpful steps labelled helpful (paid), the share of
+helpful steps paid, ms a label; for completion prompts also pairs (one helpful, one not, both orders) whose
+preference comes from the two scores. `--baseline` adds the labeler as it was before demonstrations and scores
+(fixed prompt, one greedy token, No favoured by 0.25), on a server without --logits_all, timed in the same run.
 """
 import argparse
 import os
-import re
 import sys
 import time
 
@@ -43,77 +49,140 @@ BAD = [
     "Click! You trigger a rolling boulder trap!", "You try to move the boulder, but in vain.",
     "Wait!  That's a small mimic!", "You feel feverish.",
 ]
-DEV_GOOD = ["You destroy the ghoul!", "You destroy the wraith!", "$ - 57 gold pieces.", "$ - 2 gold pieces.",
-            "You see here a pick-axe.", "You see here a glass wand.", "You see here a violet gem.", "h - a pick-axe.",
-            "i - a scroll labeled READ ME.", "You see here a crystal plate mail."]
-DEV_BAD = ["There is a doorway here.", "This door is broken.", "You can't move diagonally out of an intact doorway.",
-           "Your purse feels lighter.", "You hear bubbling water.", "You swap places with your kitten.",
-           "Something is written here in the dust.", "You feel a wrenching sensation.",
-           "You hear the splashing of a naiad.", "You are caught in a bear trap."]
-SHOTS = set(re.findall(r"^Message: (.*)$", annotator.PROMPTS["label_completion"], re.M)) - {"{caption}"}
-assert not SHOTS & set(GOOD + BAD + DEV_GOOD + DEV_BAD) and not set(GOOD + BAD) & set(DEV_GOOD + DEV_BAD)
+BASELINE_PROMPT = (  # the completion prompt before demonstrations (commit e6b0946)
+    "NetHack messages, and whether each one reports progress (killing monsters, gold, descending, levelling up, "
+    "finding things):\n" "Message: You kill the gecko!\nProgress: Yes\n" "Message: You hear a door open.\nProgress: No\n"
+    "Message: You see here 8 gold pieces.\nProgress: Yes\n" "Message: The gecko bites!\nProgress: No\n"
+    "Message: Welcome to experience level 3.\nProgress: Yes\n" "Message: You miss the gecko.\nProgress: No\n"
+    "Message: You have a little trouble lifting the boulder.\nProgress: No\n" "Message: {caption}\nProgress:")
 
 
-def agreement(labeler, good, bad):
-    wrong, yes = [], 0
-    for message, truth in [(m, 1) for m in good] + [(m, 0) for m in bad]:
-        answer = labeler.ask(message)
-        yes += answer == 1
-        if answer != truth:
-            wrong.append((message, truth, answer))
-    n = len(good) + len(bad)
-    return 1 - len(wrong) / n, yes / n, wrong
+def load_sets(path=annotator.DEMOS_FILE):
+    """{"dev": rows, "test": rows, "old50": rows}, a row (message, steps, label, group)."""
+    sets = {"dev": [], "test": [], "old50": [(m, 1, 1, m) for m in GOOD] + [(m, 1, 0, m) for m in BAD]}
+    with open(path) as f:
+        for line in list(f)[1:]:
+            message, steps, label, split, group = line.rstrip("\n").split("\t")
+            sets[split].append((message, int(steps), int(label), group))
+    dev = {m for m, *_ in sets["dev"]}
+    assert not dev & {m for name in ("test", "old50") for m, *_ in sets[name]}, "a test message in the dev split"
+    assert not {g for *_, g in sets["dev"]} & {g for *_, g in sets["test"]}, "a test near-copy in the dev split"
+    return sets
+
+
+def scores(labeler, rows, leave_group_out):
+    """Each message's score (completion prompts) or label (chat prompts), and the seconds it all took. With
+    leave_group_out (the dev split) the demonstration pool lacks the message's own near-copy group."""
+    pool, out, start = labeler.demos if labeler.style == "completion" else [], [], time.time()
+    group_of = {m: g for m, _, _, g in rows}
+    for message, *_ in rows:
+        if labeler.style == "chat":
+            out.append(labeler.ask(message))
+            continue
+        labeler.demos = [d for d in pool if not leave_group_out or group_of.get(d[0]) != group_of[message]]
+        out.append(labeler.score(message, 0))
+    labeler.demos = pool
+    return out, time.time() - start
+
+
+def figures(rows, labels):
+    """(agreement, share of unhelpful steps paid, share of helpful steps paid); unparseable counts as not paid."""
+    steps = {truth: sum(s for _, s, t, _ in rows if t == truth) or 1 for truth in (0, 1)}
+    paid = {truth: sum(s for (_, s, t, _), y in zip(rows, labels) if t == truth and y == 1) for truth in (0, 1)}
+    agreement = sum(y == t for (_, _, t, _), y in zip(rows, labels)) / len(rows)
+    return agreement, paid[0] / steps[0], paid[1] / steps[1]
+
+
+def to_labels(labeler, values, threshold):
+    if labeler.style == "chat":
+        return values
+    return [v if v is annotator.UNPARSEABLE else int(v > threshold) for v in values]
+
+
+def pair_figures(rows, values, tie_margin):
+    """Pairs of one helpful and one unhelpful message, both orders, preferred by score: (right, ties, wrong)."""
+    good = [v for (_, _, t, _), v in zip(rows, values) if t == 1 and v is not annotator.UNPARSEABLE]
+    bad = [v for (_, _, t, _), v in zip(rows, values) if t == 0 and v is not annotator.UNPARSEABLE]
+    diffs = [g - b for g in good for b in bad] or [0.0]
+    right = sum(d >= tie_margin for d in diffs) / len(diffs)
+    ties = sum(abs(d) < tie_margin for d in diffs) / len(diffs)
+    return right, ties, 1 - right - ties
+
+
+def calibrate(labeler, dev):
+    """THRESHOLD: the best of agreement + helpful steps paid - unhelpful steps paid on dev; TIE_MARGIN: the
+    largest that keeps 95% of the pairs preferring the helpful message or tied as at 0."""
+    values, _ = scores(labeler, dev, leave_group_out=True)
+    known = sorted({v for v in values if v is not annotator.UNPARSEABLE})
+    candidates = [(a + b) / 2 for a, b in zip(known, known[1:])]
+    def merit(t):
+        agreement, unhelpful, helpful = figures(dev, to_labels(labeler, values, t))
+        return agreement + helpful - unhelpful
+    threshold = max(candidates, key=merit)
+    for t in sorted({round(t, 1) for t in candidates} | {threshold}):
+        print(f"dev: THRESHOLD {t:6.2f}: agreement {{:.0%}}, unhelpful steps paid {{:.1%}}, helpful steps paid "
+              f"{{:.0%}}".format(*figures(dev, to_labels(labeler, values, t))))
+    for margin in (0.0, 0.1, 0.25, 0.5, 1.0, 2.0):
+        print(f"dev: TIE_MARGIN {margin:4.2f}: pairs prefer the helpful one {{:.0%}}, ties {{:.0%}}, the other "
+              f"{{:.0%}}".format(*pair_figures(dev, values, margin)))
+    print(f"dev: chosen THRESHOLD {threshold:.2f}")
+    return threshold
+
+
+def report(name, labeler, sets, threshold):
+    for set_name in ("test", "old50"):
+        rows = sets[set_name]
+        values, elapsed = scores(labeler, rows, leave_group_out=False)
+        labels = to_labels(labeler, values, threshold)
+        agreement, unhelpful, helpful = figures(rows, labels)
+        print(f"{name} on {set_name} ({len(rows)} messages, {sum(s for _, s, _, _ in rows):,} steps): agreement "
+              f"{agreement:.1%}, unhelpful steps paid {unhelpful:.1%}, helpful steps paid {helpful:.1%}, "
+              f"{elapsed / len(rows) * 1000:.0f} ms a label", flush=True)
+        if labeler.style == "completion":
+            print("  pairs by score (one helpful, one not): {:.0%} prefer the helpful one, {:.0%} ties, {:.0%} "
+                  "the other".format(*pair_figures(rows, values, annotator.TIE_MARGIN)))
+        wrong = sorted(((s, m, t, y) for (m, s, t, _), y in zip(rows, labels) if y != t), reverse=True)
+        for steps, message, truth, label in wrong[:12]:
+            shown = "unparseable" if label is annotator.UNPARSEABLE else label
+            print(f"    wrong: {message!r} ({steps:,} steps) expected {truth}, got {shown}")
+
+
+def labeler_at(url, model, prompts=annotator.PROMPTS):
+    labeler = annotator.Labeler([url], model, prompts, annotator.TIMEOUT_S)
+    labeler.resolve_model()
+    return labeler
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--llm-url", default=None, help="an OpenAI-compatible base URL (default: embedded)")
     parser.add_argument("--model", default=None, help="model name (default: the server's first)")
-    parser.add_argument("--calibrate", action="store_true", help="sweep BIAS_TOWARDS_NO on the dev set first")
-    parser.add_argument("--unrestricted", action="store_true", help="do not restrict a base model's answer to "
-                        "Yes/No (what the annotator falls back to when the server cannot tokenize)")
+    parser.add_argument("--calibrate", action="store_true", help="choose THRESHOLD on the dev split first")
+    parser.add_argument("--baseline", action="store_true", help="also the labeler before demonstrations and scores")
     args = parser.parse_args()
-    chosen = annotator.BIAS_TOWARDS_NO
-    server = None
-    url = args.llm_url
-    if url is None:
-        server, url = llm_server.start()
+    sets = load_sets()
+    server, url = (None, args.llm_url) if args.llm_url else llm_server.start()
     try:
-        labeler = annotator.Labeler([url], args.model, annotator.PROMPTS, annotator.TIMEOUT_S)
-        model = labeler.resolve_model()
-        if args.unrestricted:
-            labeler.token_ids, labeler.restricted = {}, False
-        restricted = labeler.style == "completion" and labeler.restricted
-        if args.calibrate and restricted:
-            for bias in (0.0, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0):
-                annotator.BIAS_TOWARDS_NO = bias
-                acc, yes, _ = agreement(labeler, DEV_GOOD, DEV_BAD)
-                print(f"dev: BIAS_TOWARDS_NO {bias:4.2f} agreement {acc:.0%} yes {yes:.0%}", flush=True)
-            annotator.BIAS_TOWARDS_NO = chosen
-        start = time.time()
-        accuracy, yes_rate, wrong = agreement(labeler, GOOD, BAD)
-        elapsed = time.time() - start
-        pairs = [(g, b) for g, b in zip(GOOD, BAD)] + [(b, g) for g, b in zip(GOOD[::-1], BAD)]
-        answers = [labeler.ask(pair) for pair in pairs]
-        right = sum(a == (1 if pair[0] in GOOD else 2) for pair, a in zip(pairs, answers))
-        ties = sum(a is None for a in answers)
+        labeler = labeler_at(url, args.model)
+        mode = ("chat prompts, label parsed from the <label> tag" if labeler.style == "chat" else
+                f"completion prompts, {annotator.DEMOS_PER_LABEL} demonstrations of each label")
+        print(f"model {labeler.model} at {url}: {mode}", flush=True)
+        threshold = calibrate(labeler, sets["dev"]) if args.calibrate and labeler.style == "completion" else \
+            annotator.THRESHOLD
+        annotator.THRESHOLD = threshold
+        report(f"labeler ({'score' if labeler.scored else 'greedy Yes/No: no log-probabilities'}, THRESHOLD "
+               f"{threshold:.2f})", labeler, sets, threshold)
     finally:
         if server is not None:
             llm_server.stop(server)
-    n = len(GOOD) + len(BAD)
-    mode = ("chat prompts, answer parsed from the <label> tag" if labeler.style == "chat" else
-            f"completion prompts, answer restricted to Yes/No, BIAS_TOWARDS_NO {chosen}" if restricted else
-            "completion prompts, answer NOT restricted to Yes/No")
-    print(f"model {model} at {url}: {mode}")
-    print(f"agreement {accuracy:.1%} on {n} messages ({len(GOOD)} good, {len(BAD)} bad); "
-          f"said yes to {yes_rate:.0%}; {elapsed / n * 1000:.0f} ms a label")
-    source = "derived from the two labels" if labeler.style == "completion" else "asked as pairs"
-    print(f"pairs (one helpful, one not; both orders; {source}): {right / len(pairs):.0%} prefer the helpful "
-          f"one, {ties / len(pairs):.0%} ties, {1 - (right + ties) / len(pairs):.0%} prefer the other")
-    for message, truth, answer in wrong:
-        shown = "unparseable" if answer is annotator.UNPARSEABLE else answer
-        print(f"  wrong: {message!r} expected {truth}, got {shown}")
-
+    if args.baseline:  # after, on a server of its own, timed beside the labeler above
+        server, url = llm_server.start(scored=False)
+        try:
+            baseline = labeler_at(url, args.model, {**annotator.PROMPTS, "label_completion": BASELINE_PROMPT})
+            baseline.scored, annotator.THRESHOLD = False, 0.25  # the greedy token's bias then: No +0.25
+            report("baseline (fixed prompt, greedy token)", baseline, sets, 0.25)
+        finally:
+            llm_server.stop(server)
 
 if __name__ == "__main__":
     main()

@@ -4,7 +4,9 @@ It judges like a model would: messages that mention killing or gold are helpful.
 model (the default), it answers /completions with " Yes"/" No"; named like an instruct model
 ("fake-instruct"), /chat/completions with some reasoning, then a <label> tag or a best_description.
 Like vLLM, it serves /tokenize, answers 404 for a model it does not have, and like OpenAI it rejects
-(400) logit biases outside [-100, 100]. It records every call in `calls`; `delay` is a fixed latency
+(400) logit biases outside [-100, 100]. Asked for log-probabilities (`logprobs`) it answers logp(" Yes") -
+logp(" No") = `margins[caption]` (default +2 helpful, -2 not), unless `logprobs` is "error" (HTTP 500, as
+llama.cpp without --logits_all) or "absent" (no log-probabilities in the answer). It records every call in `calls`; `delay` is a fixed latency
 of every (chat) completion, and `max_active` the most of them it answered at once."""
 import json
 import re
@@ -29,6 +31,7 @@ class FakeOpenAI:
         self.port, self.server, self.model = port, None, model
         self.mode, self.delay, self.fail_next, self.fail_status = "ok", 0.0, 0, 500
         self.tokenize_fails = 0  # the next this many /tokenize calls get HTTP 500
+        self.logprobs, self.margins = "ok", {}
         self.requests, self.calls = 0, []  # requests: (chat) completions asked for
         self.active = self.max_active = 0  # (chat) completions being answered now; the most at once
         self.lock = threading.Lock()
@@ -86,7 +89,10 @@ class FakeOpenAI:
                 if any(abs(b) > 100 for b in (request.get("logit_bias") or {}).values()):
                     return self.reply(400, {"error": {"message": "logit_bias values must be in [-100, 100]"}})
                 if self.path == "/v1/completions":
-                    return self.reply(200, fake.completion(request["prompt"]))
+                    if request.get("logprobs") and fake.logprobs == "error":
+                        return self.reply(500, {"error": {"message": "logprobs is not supported for models created "
+                                                                    "with logits_all=False"}})
+                    return self.reply(200, fake.completion(request["prompt"], request.get("logprobs")))
                 self.reply(200, fake.chat(request["messages"][-1]["content"]))
 
         self.server = Server(("127.0.0.1", self.port), Handler)
@@ -98,14 +104,17 @@ class FakeOpenAI:
         self.server.shutdown()
         self.server.server_close()
 
-    def completion(self, prompt):
-        if self.mode == "garbage":
-            token = " banana"
-        else:
-            caption = re.findall(r"^Message: (.*)$", prompt, re.M)[-1]
-            token = " Yes" if good(caption) else " No"
+    def completion(self, prompt, logprobs=None):
+        caption = re.findall(r"^Message: (.*)$", prompt, re.M)[-1]
+        margin = self.margins.get(caption, 2.0 if good(caption) else -2.0)
+        token = " banana" if self.mode == "garbage" else " Yes" if good(caption) else " No"
+        top = ({" banana": -0.1, " apple": -3.0} if self.mode == "garbage" else
+               {" Yes": -1.0 + margin / 2, " No": -1.0 - margin / 2, " banana": -9.0})
+        scored = {"tokens": [token], "token_logprobs": [top.get(token)], "top_logprobs": [
+            dict(sorted(top.items(), key=lambda kv: -kv[1])[:logprobs])], "text_offset": [len(prompt)]}
         return {"id": "cmpl-fake", "object": "text_completion", "created": 0, "model": self.model,
-                "choices": [{"index": 0, "text": token, "finish_reason": "length"}],
+                "choices": [{"index": 0, "text": token, "finish_reason": "length",
+                             "logprobs": scored if logprobs and self.logprobs == "ok" else None}],
                 "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
 
     def chat(self, prompt):

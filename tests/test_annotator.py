@@ -99,11 +99,10 @@ def test_labels_pairs_and_the_labels_file(fake, tmp_path):
     if fake.model == "fake-instruct":  # chat prompts: the system's role, then the question
         assert path == "/v1/chat/completions" and [m["role"] for m in body["messages"]] == ["system", "user"]
         assert "answers_restricted" not in a.stats
-    else:  # one token restricted to Yes/No, No favoured by BIAS_TOWARDS_NO, every bias within [-100, 100]
-        assert path == "/v1/completions" and body["prompt"].endswith("\nProgress:")
-        yes, no = (str(TOKENS[w][-1]) for w in (" Yes", " No"))
-        assert body["logit_bias"] == {yes: 100.0 - annotator.BIAS_TOWARDS_NO, no: 100.0}
-        assert a.stats["answers_restricted"] == 1
+    else:  # log-probabilities of the next token; the prompt shows the nearest labelled messages first
+        assert path == "/v1/completions" and body["prompt"].endswith("\nProgress:") and body["logprobs"] == 5
+        assert body["prompt"].count("\nProgress: Yes\n") == body["prompt"].count("\nProgress: No\n") == 2
+        assert "logit_bias" not in body and a.stats["answers_restricted"] == a.stats["answers_scored"] == 1
 
 
 @pytest.mark.parametrize("model", STYLES)
@@ -181,6 +180,7 @@ def test_a_template_that_cannot_be_filled_is_fatal(fake, tmp_path):
 
 def test_a_server_that_cannot_tokenize_leaves_answers_unrestricted_and_says_so(tmp_path, capsys):
     fake = FakeOpenAI().start()
+    fake.logprobs = "error"  # else the answer is read from log-probabilities, where restricting matters not
     fake.tokenize_fails = 2  # a passing failure: retried
     a = Annotator(fake.url, tmp_path)
     a.send(CAPTIONS[:1])
@@ -578,3 +578,79 @@ def test_a_labels_file_cut_short_by_a_crash_still_resumes(tmp_path):
     path.write_text('{"caption": "It\'s a w\n' + json.dumps(whole) + "\n")  # damage before the end is an error
     with pytest.raises(SystemExit, match="cannot read labels"):
         annotator.read_labels(path)
+
+
+def base_labeler(fake):
+    labeler = annotator.Labeler([fake.url], None, annotator.PROMPTS, 5.0)
+    labeler.resolve_model()
+    return labeler
+
+
+def test_a_score_is_the_log_probability_margin_and_a_label_is_above_the_threshold(monkeypatch):
+    fake = FakeOpenAI().start()
+    fake.margins = {"You kill the newt!": 1.5, "You hear a door open.": 0.3, "It's a wall.": -2.0}
+    labeler = base_labeler(fake)
+    try:
+        assert [labeler.score(m, 0) for m in fake.margins] == pytest.approx([1.5, 0.3, -2.0])
+        monkeypatch.setattr(annotator, "THRESHOLD", 0.5)
+        assert [labeler.ask(m) for m in fake.margins] == [1, 0, 0]
+        monkeypatch.setattr(annotator, "THRESHOLD", 0.1)
+        assert [labeler.ask(m) for m in fake.margins] == [1, 1, 0]
+    finally:
+        fake.stop()
+    # llama.cpp's answer: a word outside the top ones is at most as likely as the last of them; neither: no answer
+    answers = iter([{" Yes": -0.2, " I": -2.0}, {" No": -0.1, " You": -4.0}, {" I": -0.1, " You": -2.0}])
+    monkeypatch.setattr(labeler, "first_token", lambda *a, **k: {"text": " I", "logprobs": {
+        "tokens": [" I"], "token_logprobs": [-0.1], "text_offset": [0], "top_logprobs": [next(answers)]}})
+    assert labeler.score("a", 0) == pytest.approx(1.8) and labeler.score("b", 0) == pytest.approx(-3.9)
+    assert labeler.score("c", 0) is annotator.UNPARSEABLE and labeler.scored
+
+
+@pytest.mark.parametrize("threshold", [0.25, -0.5])
+@pytest.mark.parametrize("missing", ["error", "absent"])
+def test_a_server_without_log_probabilities_gets_greedy_answers_and_says_so_once(tmp_path, capsys, monkeypatch,
+                                                                                 missing, threshold):
+    monkeypatch.setattr(annotator, "THRESHOLD", threshold)
+    fake = FakeOpenAI().start()
+    fake.logprobs = missing  # llama.cpp without --logits_all answers HTTP 500; another server may leave them out
+    a = Annotator(fake.url, tmp_path)
+    a.send(CAPTIONS, pairs=[("It's a wall.", "You kill the newt!"), ("You kill the newt!", "You kill the grid bug!")])
+    assert a.wait_for(lambda: len(a.labels) == len(CAPTIONS) + 2)
+    a.close()
+    fake.stop()
+    assert {c: a.labels[c] for c in CAPTIONS} == expected_labels() and a.stats["answers_scored"] == 0
+    assert a.labels[annotator.item_key(("It's a wall.", "You kill the newt!"))] == 2  # pairs: from the two labels
+    assert a.labels[annotator.item_key(("You kill the newt!", "You kill the grid bug!"))] is None
+    yes, no = (str(TOKENS[w][-1]) for w in (" Yes", " No"))  # the same decision: Yes where its margin > THRESHOLD
+    assert fake.calls[-1][1]["logit_bias"] == {yes: 100.0 - max(threshold, 0), no: 100.0 + min(threshold, 0)}
+    assert "logprobs" not in fake.calls[-1][1]
+    assert capsys.readouterr().err.count("returns no log-probabilities") == 1
+    assert a.stats.get("failures", 0) == 0
+
+
+def test_a_pair_preference_comes_from_the_two_scores_a_tie_only_when_close(fake, tmp_path, monkeypatch):
+    if fake.model == "fake-instruct":
+        pytest.skip("chat prompts ask for the pair's preference itself")
+    monkeypatch.setattr(annotator, "TIE_MARGIN", 0.5)
+    fake.margins = {"You kill the newt!": 3.0, "You kill the jackal!": 2.8, "$ - 2 gold pieces.": 1.0,
+                    "It's a wall.": -2.0, "It's solid stone.": -2.3}
+    pairs = [("You kill the newt!", "You kill the jackal!"), ("$ - 2 gold pieces.", "You kill the newt!"),
+             ("It's a wall.", "It's solid stone."), ("It's solid stone.", "$ - 2 gold pieces.")]
+    a = Annotator(fake.url, tmp_path)
+    a.send(pairs=pairs)
+    assert a.wait_for(lambda: len(a.labels) == len(pairs))
+    a.close()
+    # both helpful, yet one more so: not a tie; a tie only where the scores are within TIE_MARGIN
+    assert [a.labels[annotator.item_key(p)] for p in pairs] == [None, 2, None, 2]
+    assert a.stats["answers_scored"] == 1 and "logprobs" in fake.calls[-1][1]
+
+
+def test_demonstrations_come_from_the_dev_split_nearest_last():
+    pool = annotator.load_demos()
+    with open(annotator.DEMOS_FILE) as f:
+        test = {line.split("\t")[0] for line in f if line.rstrip("\n").split("\t")[3] == "test"}
+    assert pool and not {m for m, _, _ in pool} & test  # the test split never reaches a prompt
+    shown = annotator.demonstrations("You kill the gnome lord!", pool, per_label=2)
+    lines = shown.splitlines()
+    assert [line.split(": ")[1] for line in lines[1::2]].count("Yes") == 2 and len(lines) == 8
+    assert lines[-2].startswith("Message: You kill the ") and lines[-1] == "Progress: Yes"

@@ -39,3 +39,19 @@ def test_profile_update_counts_the_update_arithmetic_and_times_bf16():
     off_by = float(result.stdout.split("loss off by ")[1].split(",")[0])
     grad_off_by = float(result.stdout.split("gradient off by ")[1].split()[0])
     assert 0 < off_by < 0.1 and 0 < grad_off_by < 0.5  # bf16 autocast ran (a different loss), and is close
+
+
+def test_label_quality_weighs_by_steps_and_keeps_the_test_split_out_of_dev():
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import label_quality
+    sets = label_quality.load_sets()  # asserts that no test message nor near-copy group is in the dev split
+    assert min(len(sets["dev"]), len(sets["test"])) >= 200 and len(sets["old50"]) == 50
+    for name in ("dev", "test"):  # both sides hold helpful messages and the frequent unhelpful kinds
+        assert {t for _, _, t, _ in sets[name]} == {0, 1} and max(s for _, s, _, _ in sets[name]) > 100_000
+    rows = [("It's a wall.", 90, 0, "a"), ("Never mind.", 10, 0, "b"), ("You kill the newt!", 3, 1, "c"),
+            ("$ - 2 gold pieces.", 1, 1, "d")]
+    # one label in four wrong, on the message that showed on 90 of 100 unhelpful steps
+    assert label_quality.figures(rows, [1, 0, 1, 1]) == (0.75, 0.9, 1.0)
+    assert label_quality.figures(rows, [0, 0, 0, 1]) == (0.75, 0.0, 0.25)
+    # pairs (helpful, unhelpful) by score: 3-(-1) and 0.2-(-1) prefer the helpful one; 0.2-0.1 is a tie
+    assert label_quality.pair_figures(rows, [0.1, -1.0, 3.0, 0.2], tie_margin=0.5) == (0.75, 0.25, 0.0)

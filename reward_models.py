@@ -5,6 +5,7 @@ distinct messages and learns from new labels. A step's message is that of the ob
 scored with its own last message, not the next episode's first."""
 import collections
 import copy
+import heapq
 import random
 import threading
 import time
@@ -22,11 +23,12 @@ BURST = 32  # its client's newest 100 labels at once, then trained 32 steps): a 
 STEPS_PER_LABEL = BURST / 100  # then 0.32 steps per label as labels arrive, at most 32 per burst
 PAIR_POOL_EVERY = 10  # every 10th step's message enters the pool that ranking pairs are drawn from
 PAIR_POOL_SIZE = 100_000  # beyond this the pool is a uniform sample of all of them
-PAIRS_PER_BATCH = 8  # ranking asks the LLM this many pairs per learner batch
+PAIRS_PER_BATCH = 8  # ranking draws this many pairs per learner batch: asked, or reused when already answered
 RECENT_BATCHES = 8  # ranking statistics are taken over the steps of the last 8 learner batches
 RANKING_CLIP = 5.0  # a ranking reward is a z-score: at most 5 standard deviations
 MIN_SPREAD = 0.5  # ...of a model whose outputs differ by at least this (Bradley-Terry log-odds)
-FIT_RECALL = 0.9  # the classifier pays once it recalls this share of each class of its labels
+FIT_RECALL, UNFIT_RECALL = 0.9, 0.85  # the classifier pays once it recalls 90% of each class's steps, stops below 85%
+GATE_MESSAGES = 1024  # ...judged on this many labelled messages a class, those that showed the most steps
 RETRY_S = 60.0  # a caption still unanswered this long after it was asked is asked again
 
 
@@ -258,7 +260,7 @@ class Classification(TrainedModel):
     def __init__(self, args, device):
         super().__init__(args, device, nn.Sequential(
             nn.Linear(128, 512), nn.ReLU(), nn.Dropout(0.1), nn.Linear(512, 512), nn.ReLU(), nn.Dropout(0.1), nn.Linear(512, 2)))
-        self.data = self.labels
+        self.data, self.steps = self.labels, collections.Counter()  # steps: message -> steps that showed it, all run
 
     def reward(self, published, rows):
         return (published["model"](rows).softmax(-1)[:, 1] > 0.5).float() * published["fitted"]
@@ -271,14 +273,30 @@ class Classification(TrainedModel):
         logits = outputs(self.model.train(), [t for t, _ in items], self.device)
         return F.cross_entropy(logits, labels, weight=torch.stack([0.5 / (1 - share), 0.5 / share]))
 
-    def scoring(self, model):  # it pays once, as published (eval mode), it tells its labels of each class apart
-        with self.lock:  # a copy, briefly: the learner adds labels under the lock
-            labels = list(self.labels.items())
-        by_class = [[text for text, label in labels if label == c] for c in (0.0, 1.0)]
-        with torch.no_grad():  # (a minibatch often holds no rare "helpful" label: judged over up to 1,024 a class)
-            recall = [(outputs(model, self.rng.sample(texts, min(len(texts), 1024)), self.device).argmax(-1) == c)
-                      .float().mean().item() if texts else 0.0 for c, texts in enumerate(by_class)]
-        return {"fitted": min(recall) >= FIT_RECALL}
+    def see(self, texts, steps):
+        super().see(texts, steps)
+        with self.lock:
+            self.steps.update(dict(zip(texts, steps.tolist())))
+
+    def scoring(self, model):  # it pays once, as published (eval mode), it tells its labels apart on the agent's steps
+        with self.lock:  # copies, briefly: the learner adds labels and steps under the lock
+            labels, steps = dict(self.labels), dict(self.steps)
+        weight = lambda text: steps.get(text, 0) + 1  # a label the run never showed (--labels-from) weighs one step
+        recall = []
+        for c in (0, 1):  # the same messages at every publication while the counts stand: no sampling noise
+            texts = heapq.nlargest(GATE_MESSAGES, (t for t, label in labels.items() if label == c), key=weight)
+            if not texts:
+                return {"fitted": False}  # a class without labels: nothing told apart
+            w = torch.tensor([weight(t) for t in texts], dtype=torch.float, device=self.device)
+            with torch.no_grad():  # per step, not per distinct message: the policy is paid per step
+                right = (outputs(model, texts, self.device).argmax(-1) == c).float()
+            recall.append(((w * right).sum() / w.sum()).item())
+        was = self.published is not None and self.published["fitted"]  # hysteresis: recall near the bar must not flicker
+        return {"fitted": min(recall) >= (UNFIT_RECALL if was else FIT_RECALL)}
+
+    def load_state_dict(self, state):  # the gate's steps: the learner's counts of every message (messages.tsv's)
+        self.steps = collections.Counter({text: seen[0] for text, seen in state.get("seen", {}).items() if text})
+        super().load_state_dict(state)
 
     def ready(self): return {0.0, 1.0} <= set(self.labels.values())  # a boundary needs both classes among the labels
 
@@ -350,21 +368,30 @@ class IntrinsicReward:
         self.asked: dict[str, float] = {}  # captions asked and not yet answered -> when last asked
         self.to_ask, self.batches_to_pair, self.last_retry = [], 0, time.time()  # since the last label_requests()
         self.pair_pool, self.pool_offers, self.steps_seen = [], 0, 0
+        self.answered: dict[tuple, int | None] = {}  # (first, second) -> preference, in both orders (1 and 2 swap)
+        self.waiting: dict[tuple, int] = {}  # pairs asked and not yet answered -> how often drawn meanwhile
+        self.reused = collections.Counter()  # answered pairs drawn again: training data not in labels.jsonl
         self.seen: dict[str, list] = {}  # message -> [steps, R / N^beta paid in all], for messages.tsv
         if args.labels_from and self.piece.asks:  # a head start (Motif trains on them itself)
             self.add_labels(annotator.read_labels(args.labels_from))
 
     def add_labels(self, records):  # the LLM's new answers, --labels-from, or on resume the run's labels.jsonl
         self.piece.add_labels(records)  # first: a caption labelled, then unparseable in the same records, is done
+        drawn_again = []  # pairs drawn again while asked: trained on once a draw, like the answer itself
         for record in records:
-            if "caption" in record and self.piece.asks == "captions":
+            if "pair" in record:  # a tie (None) is an answer too
+                (a, b), preference = record["pair"], record["preference"]
+                self.answered[a, b], self.answered[b, a] = preference, {1: 2, 2: 1}.get(preference)
+                drawn_again += [(a, b)] * (self.waiting.pop((a, b), 1) - 1)
+            elif "caption" in record and self.piece.asks == "captions":
                 if record["label"] is None and record["caption"] not in self.piece.labels:  # asked again after RETRY_S
                     self.asked[record["caption"]] = time.time()
                 else:
                     self.asked.pop(record["caption"], None)
+        self.reuse(drawn_again)
 
     def known_keys(self) -> set[str]:  # captions answered and pairs compared: what the annotator need not ask again
-        return set(self.piece.labels) | {annotator.item_key((a, b)) for a, b, _ in self.piece.pairs}
+        return set(self.piece.labels) | {annotator.item_key(pair) for pair in self.answered}
 
     def rewards(self, env_reward, messages, counts, terminal):
         """env_reward, counts, terminal (the step ended its episode): [T, B]; messages: [T, B, 256] uint8 on the
@@ -404,9 +431,22 @@ class IntrinsicReward:
         elif (j := self.rng.randrange(self.pool_offers)) < PAIR_POOL_SIZE:
             self.pair_pool[j] = text
 
+    def draw_pair(self):
+        """Two messages of the pool's steps, the second drawn again while it is the first (the pool repeats common
+        messages: their self-pairs, a fifth of all, would cost them pairs); None if 100 draws could not differ."""
+        first = self.rng.choice(self.pair_pool)
+        for _ in range(100):
+            if (second := self.rng.choice(self.pair_pool)) != first:
+                return first, second
+
+    def reuse(self, pairs):  # answered pairs drawn again: trained on again, with their answer, not asked again
+        self.reused.update(pairs)
+        self.piece.add_labels([{"pair": list(pair), "preference": self.answered[pair]} for pair in pairs])
+
     def label_requests(self) -> tuple[list[str], list[tuple[str, str]]]:
         """What to ask the LLM now: captions new since the last call and those unanswered for RETRY_S (a full
-        backlog may have dropped them); ranking: PAIRS_PER_BATCH pairs per batch since the last call."""
+        backlog may have dropped them); ranking: of PAIRS_PER_BATCH pairs per batch since the last call, those not
+        answered yet. Each drawn pair is trained on once, so the pairs keep the steps' frequencies."""
         captions, self.to_ask, now = self.to_ask, [], time.time()
         if now - self.last_retry > RETRY_S:
             again = [t for t, at in self.asked.items() if now - at > RETRY_S]
@@ -414,18 +454,27 @@ class IntrinsicReward:
             self.asked.update(dict.fromkeys(again, now))
             captions, self.last_retry = captions + again, now
         wanted, self.batches_to_pair = PAIRS_PER_BATCH * self.batches_to_pair, 0
-        pairs = [tuple(self.rng.sample(self.pair_pool, 2)) for _ in range(wanted) if len(self.pair_pool) >= 2]
-        return captions, [(a, b) for a, b in pairs if a != b]  # the pool repeats common messages: no self-pairs
+        drawn = [pair for _ in range(wanted) if self.pair_pool and (pair := self.draw_pair())]
+        self.reuse([pair for pair in drawn if pair in self.answered])
+        asked = []
+        for pair in drawn:  # one still waiting is asked again: the annotator's full backlog may have dropped it
+            if pair not in self.answered:
+                pair = pair[::-1] if pair[::-1] in self.waiting else pair  # one order a pair: the annotator keys by order
+                self.waiting[pair] = self.waiting.get(pair, 0) + 1
+                asked.append(pair)
+        return captions, list(dict.fromkeys(asked))
 
     def state_dict(self) -> dict:
         return {"pair_pool": self.pair_pool, "pool_offers": self.pool_offers, "steps_seen": self.steps_seen,
-                "rng": self.rng.getstate(), "seen": self.seen, **self.piece.state_dict()}
+                "rng": self.rng.getstate(), "seen": self.seen, "reused": dict(self.reused), **self.piece.state_dict()}
 
     def load_state_dict(self, state):
         if state:
             self.pair_pool, self.pool_offers, self.steps_seen = state["pair_pool"], state["pool_offers"], state["steps_seen"]
             self.rng.setstate(state["rng"])
             self.seen = state.get("seen", {})
+            reused = collections.Counter(state.get("reused", {})).elements()  # their answers came back before
+            self.reuse([pair for pair in reused if pair in self.answered])  # (one lost in a crash: not trained on)
             self.piece.load_state_dict(state)
 
     def write_messages(self, path):

@@ -1,5 +1,6 @@
-"""Reward models: the count normalization, the classifier, Bradley-Terry, ranking normalization,
-resuming labels, the trainer thread, and labels of real NLE messages through the real embedded LLM server."""
+"""Reward models: the count normalization, the classifier and its step-weighted gate, Bradley-Terry, ranking's
+pairs and normalization, resuming labels, the trainer thread, and labels of real NLE messages through the real
+embedded LLM server."""
 import copy
 import json
 import random
@@ -166,7 +167,8 @@ def test_resume_reloads_labels_without_asking_again(tmp_path, monkeypatch):
     model.load_state_dict(model.state_dict())
     assert model.piece.labels == {"You kill the newt!": 1.0}
     assert model.piece.pairs == [("It's a wall.", "You kill the newt!", 0.0)]
-    assert model.known_keys() == {"You kill the newt!", annotator.item_key(("It's a wall.", "You kill the newt!"))}
+    assert model.known_keys() == {"You kill the newt!", annotator.item_key(("It's a wall.", "You kill the newt!")),
+                                  annotator.item_key(("You kill the newt!", "It's a wall."))}  # either order is known
     model.rewards(torch.zeros(2, 1), rm.to_rows(["You kill the newt!", "It's a wall."]).view(2, 1, 256),
                   torch.ones(2, 1, dtype=torch.int32), torch.zeros(2, 1, dtype=torch.bool))
     assert model.label_requests() == (["It's a wall."], [])  # the labelled caption is not asked again
@@ -323,12 +325,11 @@ STEPS = ([("", 300), ("It's a wall.", 400), ("You hear a door open.", 150)]
 PREFERRED = [i for i, (t, _) in enumerate(STEPS) if "kill" in t or "gold" in t]
 
 
-def test_ranking_rewards_are_bounded_z_scores_from_the_first_rewarded_update(tmp_path, monkeypatch):
-    """The early edge: a server that prefers kills and gold, 60 learner updates from an untrained
-    model (trained 1 step per new pair instead of 0.32, to get there in seconds)."""
+def test_ranking_rewards_are_bounded_z_scores_from_the_first_rewarded_update(tmp_path):
+    """The early edge: a server that prefers kills and gold, 60 learner updates from an untrained model on the
+    reference's schedule (8 labelled pairs an update, pairs already answered reused: rewarded from update 26)."""
     from fake_openai import FakeOpenAI
     from test_annotator import Annotator
-    monkeypatch.setattr(rm, "STEPS_PER_LABEL", 1.0)
     torch.manual_seed(0)
     server = FakeOpenAI().start()
     thread = Annotator(server.url, tmp_path)
@@ -411,6 +412,129 @@ def test_a_fitted_classifier_keeps_paying_when_helpful_labels_are_rare():
     assert all(fitted), fitted
     R = model.piece.score(rm.to_rows(helpful + unhelpful[:20]), helpful + unhelpful[:20])
     assert R[:2].tolist() == [1.0, 1.0] and not R[2:].any()
+
+
+class Judge(torch.nn.Module):
+    """A stand-in classifier: it calls helpful exactly the messages in `helpful`."""
+
+    def __init__(self, helpful):
+        super().__init__()
+        self.helpful = set(helpful)
+
+    def forward(self, rows):
+        texts = [bytes(row).rstrip(b"\0").decode("latin-1") for row in rows.tolist()]
+        return torch.tensor([[0.0, 1.0] if t in self.helpful else [1.0, 0.0] for t in texts])
+
+
+# a young agent's labelled steps, as in results/recheck's free_classification: one unhelpful message on a quarter
+# of the steps, a few dozen others, a handful of rare helpful ones; (message, steps, label)
+WALL, KILL = "It's a wall.", "You kill the newt!"
+LABELLED_STEPS = ([(WALL, 240, 0), ("Are you sure you want to pray? [yn] (n)", 140, 0), ("It's solid stone.", 70, 0),
+                   ("Never mind.", 60, 0), ("You hear a door open.", 60, 0), ("There is a staircase up here.", 50, 0),
+                   ("You swap places with your kitten.", 40, 0), ("Unknown command ' '.", 31, 0)]
+                  + [(f"The {m} bites!", 10, 0) for m in MONSTERS] + [(f"You miss the {m}.", 5, 0) for m in MONSTERS]
+                  + [(KILL, 3, 1), ("You see here 5 gold pieces.", 2, 1), ("You kill the jackal!", 2, 1),
+                     ("You find a hidden passage.", 1, 1), ("Welcome to experience level 2.", 1, 1)])
+HELPFUL = [t for t, _, label in LABELLED_STEPS if label]
+
+
+def labelled_steps_seen(**overrides):
+    """A classification learner that has the labels of LABELLED_STEPS and has seen their steps."""
+    model = rm.IntrinsicReward(make_args(reward_type="classification", **overrides), "cpu")
+    model.add_labels([{"caption": t, "label": label} for t, _, label in LABELLED_STEPS])
+    model.rewards(*steps_of([(t, k) for t, k, _ in LABELLED_STEPS]))
+    return model
+
+
+def publish(piece, judge, fresh=True):  # the gate's verdict on a model; fresh: no hysteresis from the last one
+    piece.model, piece.published = judge, None if fresh else piece.published
+    piece.publish()
+    return piece.published["fitted"]
+
+
+def test_the_classifier_gate_judges_recall_over_the_agent_s_steps():
+    """Before: recall per distinct message; in free_classification 94.8% of the unhelpful labels were recalled but
+    53.8% of their steps, and "It's a wall." (24% of all steps) was the message it paid most."""
+    model = labelled_steps_seen()
+    texts = [t for t, _, _ in LABELLED_STEPS]
+    assert WALL in texts and 0.24 < 240 / sum(k for _, k, _ in LABELLED_STEPS) < 0.26
+    assert not publish(model.piece, Judge(HELPFUL + [WALL]))  # 39 of 40 unhelpful messages, 75% of their steps
+    assert not model.piece.score(rm.to_rows(texts), texts).any()
+    misses = [f"You miss the {m}." for m in MONSTERS[:6]]
+    assert publish(model.piece, Judge(HELPFUL + misses))  # 34 of 40 messages (85%), 97% of their steps
+    R = model.piece.score(rm.to_rows(texts), texts)
+    assert {t for t, r in zip(texts, R.tolist()) if r} == set(HELPFUL + misses)
+
+
+def test_the_classifier_gate_does_not_flicker_near_its_bar():
+    """Before: judged on a fresh random 1,024 labels a class at every publication, a model that recalled 90.5% was
+    on at 146 of 200 publications and switched 79 times."""
+    model = rm.IntrinsicReward(make_args(reward_type="classification"), "cpu")
+    helpful, unhelpful = [f"You kill the thing {i}!" for i in range(50)], [f"The thing {i} bites!" for i in range(3000)]
+    model.add_labels([{"caption": c, "label": 1} for c in helpful] + [{"caption": c, "label": 0} for c in unhelpful])
+    near = Judge(helpful + unhelpful[::10])  # one unhelpful label in 10 called helpful: right at the bar
+    assert len({publish(model.piece, near) for _ in range(20)}) == 1  # a fixed model, a fixed verdict
+    rng, fitted = random.Random(0), []
+    for _ in range(40):  # a model still learning: 87% to 94% of the unhelpful labels told apart
+        fitted.append(publish(model.piece, Judge(helpful + rng.sample(unhelpful, rng.randint(180, 390))), fresh=False))
+    assert sum(a != b for a, b in zip([False] + fitted, fitted)) == 1 and fitted[-1], fitted
+
+
+def test_the_classifier_gate_and_its_step_counts_survive_a_resume():
+    model = labelled_steps_seen()
+    model.piece.train_now(1, batch_size=8)  # a checkpoint needs a trained model
+    model.piece.published["fitted"] = True  # on, as it would be after telling its labels apart
+    resumed = rm.IntrinsicReward(make_args(reward_type="classification"), "cpu")
+    resumed.add_labels([{"caption": t, "label": label} for t, _, label in LABELLED_STEPS])
+    resumed.load_state_dict(model.state_dict())
+    assert resumed.piece.steps == model.piece.steps and resumed.piece.published["fitted"]
+    between = Judge(HELPFUL + ["It's solid stone.", "You hear a door open."])  # 86% of the unhelpful steps
+    assert publish(resumed.piece, between, fresh=False)  # on it stays above 85%...
+    assert not publish(labelled_steps_seen().piece, between)  # ...though it takes 90% to switch on
+
+
+def test_ranking_trains_on_every_drawn_pair_as_often_as_the_steps_show_it():
+    """Before: self-pairs were dropped (21% of drawn pairs in free_ranking), the annotator dropped a pair already
+    asked (63%), and the message on 40% of the steps was in 61% of drawn pairs but 30% of the pairs trained on."""
+    model = rm.IntrinsicReward(make_args(reward_type="ranking"), "cpu")
+    shares = {WALL: 0.4, "Never mind.": 0.2, "It's solid stone.": 0.1, **{f"You kill the {m}!": 0.03 for m in MONSTERS[:10]}}
+    model.pair_pool = [t for t, q in shares.items() for _ in range(round(q * 1000))]
+    value = {t: i for i, t in enumerate(shares)}  # the fake LLM prefers the later message
+    done, asked, updates = set(), [], 300
+    for _ in range(updates):
+        model.batches_to_pair = 1
+        answers = []
+        for pair in model.label_requests()[1]:  # what the annotator asks: it drops a pair it answered
+            if annotator.item_key(pair) not in done:
+                done.add(annotator.item_key(pair))
+                asked.append(pair)
+                answers.append({"pair": list(pair), "preference": 1 if value[pair[0]] > value[pair[1]] else 2})
+        model.add_labels(answers)
+    trained = model.piece.pairs
+    assert len(trained) == updates * rm.PAIRS_PER_BATCH and all(a != b for a, b, _ in trained)
+    assert all(p == float(value[a] > value[b]) for a, b, p in trained)  # reused in either order, with its answer
+    assert len({frozenset(pair) for pair in asked}) == len(asked)  # none asked twice, in either order
+    for message, q in shares.items():  # drawn by steps, the second again while it is the first: the wall is in
+        expected = q + sum(q_x * q / (1 - q_x) for x, q_x in shares.items() if x != message)  # 67% of the pairs
+        assert sum(message in (a, b) for a, b, _ in trained) / len(trained) == pytest.approx(expected, abs=0.03)
+
+
+def test_a_pair_drawn_again_before_its_answer_is_asked_once_and_trained_on_every_draw():
+    model = rm.IntrinsicReward(make_args(reward_type="ranking"), "cpu")
+    model.pair_pool, model.batches_to_pair = [WALL] * 6 + [KILL] * 4, 1
+    _, pairs = model.label_requests()
+    assert len(pairs) == 1 and not model.piece.pairs  # 8 draws of one pair, in either order: asked once
+    answer = {"pair": list(pairs[0]), "preference": 1 if pairs[0][0] == KILL else 2}
+    model.add_labels([answer])
+    assert len(model.piece.pairs) == 8 and all(p == float(a == KILL) for a, b, p in model.piece.pairs)
+    model.batches_to_pair = 2
+    assert model.label_requests() == ([], [])  # answered: 16 more draws trained on, none asked
+    assert len(model.piece.pairs) == 24 and all(p == float(a == KILL) for a, b, p in model.piece.pairs)
+    assert model.known_keys() == {annotator.item_key((WALL, KILL)), annotator.item_key((KILL, WALL))}
+    resumed = rm.IntrinsicReward(make_args(reward_type="ranking"), "cpu")
+    resumed.add_labels([answer])  # on resume the LLM's one answer comes back from labels.jsonl...
+    resumed.load_state_dict(model.state_dict())  # ...and its 23 reuses from the checkpoint
+    assert sorted(resumed.piece.pairs) == sorted(model.piece.pairs)
 
 
 def test_every_caption_seen_is_labelled_after_the_backlog_overflowed(tmp_path, monkeypatch):

@@ -108,6 +108,7 @@ class Args:
 # Flags that a resumed run takes from its command line; all others come from the checkpoint.
 RESUME_OVERRIDES = ("total_env_steps", "num_workers", "device", "track", "llm_url", "llm_model", "llm_concurrency",
                     "llm_threads", "prompt_file", "checkpoint_every_s", "reward_model_share")
+LLM_COUNTS = ("requests", "failures", "parse_failures", "dropped", "restarts")  # the annotator's, summed over resumes
 CROP = 12  # the paper's crop of the map around the agent
 TORCH_THREADS = torch.get_num_threads()  # the learner's, read before any thread changes the default
 
@@ -421,12 +422,13 @@ class Run:
     client: annotator.LabelClient | None  # the annotator's: label requests out, labels in
     writer: object  # tensorboard's SummaryWriter; wandb syncs from it with --track
     counters: dict  # env_steps, updates (= the policy version), episodes
+    saved_totals: dict  # the run's totals up to the checkpoint it resumed from (run_totals adds this session's)
     updates: collections.deque = field(default_factory=collections.deque)  # figures of each update, for the log
     losses: dict = field(default_factory=dict)
-    run_figures: dict = field(default_factory=lambda: collections.defaultdict(list))  # for summary.json
+    sums: collections.Counter = field(default_factory=collections.Counter)  # this session's learner sums, see learn()
     error: BaseException | None = None  # a learner crash or fatal LLM error, re-raised by the main thread
     worker_failure: str | None = None
-    start_time: float = 0.0
+    start_time: float = field(default_factory=time.time)  # train() sets it again once the workers run
     # the optimizer step, the inference copy and the counters change together under it: checkpoints see whole updates
     weights_lock: threading.Lock = field(default_factory=threading.Lock)
     stop: threading.Event = field(default_factory=threading.Event)
@@ -487,12 +489,13 @@ def set_up(args) -> Run:
     device = pick_device(args.device)
     agent, acting_agent = Agent().to(device), Agent().to(device).eval()
     optimizer = torch.optim.Adam(agent.parameters(), lr=args.lr, eps=1e-5)
-    counters = {"env_steps": 0, "updates": 0, "episodes": 0}
+    counters, saved_totals = {"env_steps": 0, "updates": 0, "episodes": 0}, {}
     intrinsic = reward_models.IntrinsicReward(args, device)
     if args.resume:
         _, checkpoint, _ = load_checkpoint(args.resume, agent)
         optimizer.load_state_dict(checkpoint["optimizer"])
         counters.update(checkpoint["counters"])
+        saved_totals = checkpoint.get("totals", {})
         episodes = os.path.join(args.run_dir, "episodes.jsonl")
         if os.path.exists(episodes):  # the steps after the checkpoint are played again: so are their episodes
             with open(episodes) as f:
@@ -519,7 +522,7 @@ def set_up(args) -> Run:
     if client is not None:  # the annotator subprocess and, without --llm-url, the embedded server
         client.start(args.run_dir, known=intrinsic.known_keys())
     intrinsic.start(args.reward_model_share)
-    return Run(args, device, agent, acting_agent, optimizer, intrinsic, client, writer, counters)
+    return Run(args, device, agent, acting_agent, optimizer, intrinsic, client, writer, counters, saved_totals)
 
 
 def start_workers(run):
@@ -648,6 +651,10 @@ def learn(run):
             rewards, paid, reward_stats = run.intrinsic.rewards(batch["reward"], step_message, batch["step_count"],
                                                                 batch["end"] == End.TERMINATED)
             add_intrinsic_episodes(run.intrinsic_totals, run.finished, paid, batch["end"], env_ids, run.envs_per_slot)
+            terminal = batch["end"] == End.TERMINATED  # summary.json's means are over steps, not over batches
+            run.sums.update(lag_sum=lag.sum().item(), lag_steps=lag.numel(), terminal_paid=paid[terminal].sum().item(),
+                            terminal_steps=terminal.sum().item())
+            run.sums["max_reward"] = max(run.sums["max_reward"], paid.max().item())
             intrinsic_done = time.perf_counter()
             losses = update_policy(run, batch, rewards)
             if run.client is not None:  # where labels enter the reward, and captions leave for the LLM
@@ -705,10 +712,21 @@ def update_policy(run, batch, rewards):
     return losses
 
 
+def run_totals(run) -> dict:
+    """The whole run's sums over any number of resumes: the checkpoint's plus this session's (the learner's sums, its
+    wall time, the annotator's counts, which start at 0 in each session)."""
+    llm = run.client.stats() if run.client is not None else {}
+    session = dict(run.sums, wall_time_s=time.time() - run.start_time, **{f"llm_{k}": llm.get(k, 0) for k in LLM_COUNTS})
+    totals = {k: run.saved_totals.get(k, 0) + session.get(k, 0) for k in {*run.saved_totals, *session}}
+    totals["max_reward"] = max(run.saved_totals.get("max_reward", 0.0), run.sums["max_reward"])
+    return totals
+
+
 def save(run):
+    totals = run_totals(run)
     with run.weights_lock:
         state = dict(model=run.agent.state_dict(), optimizer=run.optimizer.state_dict(), counters=dict(run.counters),
-                     args=dataclasses.asdict(run.args), intrinsic=run.intrinsic.state_dict())
+                     args=dataclasses.asdict(run.args), intrinsic=run.intrinsic.state_dict(), totals=totals)
     path = os.path.join(run.args.run_dir, "checkpoint.pt")
     torch.save(state, path + ".tmp")
     os.replace(path + ".tmp", path)  # never leave a half-written checkpoint
@@ -726,10 +744,10 @@ def log_progress(run, episodes, now):
     window = [run.updates.popleft() for _ in range(len(run.updates))]  # updates since the last log
     figures = {k: [u[k] for u in window if k in u] for k in {k for u in window for k in u}}
     figures = {k: max(v) if k.endswith("max") or k.startswith("max") else float(np.mean(v)) for k, v in figures.items()}
-    for k, v in figures.items():
-        run.run_figures[k].append(v)
     lag_mean, lag_max = figures.pop("lag_mean", 0.0), int(figures.pop("lag_max", 0))
     llm = run.client.stats() if run.client is not None else {}
+    if llm:  # counts of the whole run, as in summary.json
+        llm.update({k: v for k, v in run_totals(run).items() if k.startswith("llm_")})
     charts = {"SPS": sps, "policy_lag_mean": lag_mean, "policy_lag_max": lag_max, "updates": run.counters["updates"]}
     for prefix, values in (("charts", charts), ("losses", run.losses), ("intrinsic", figures), ("llm", llm)):
         add_scalars(writer, prefix, values, steps)
@@ -749,24 +767,28 @@ def log_progress(run, episodes, now):
 
 def finish(run):
     """The last log, checkpoint, messages.tsv and summary.json; a stop for a failure is a one-line error."""
-    args, figures = run.args, run.run_figures
+    args = run.args
     log_progress(run, join_episodes(run.pending, run.finished, final=True), time.time())
     save(run)
     run.intrinsic.write_messages(os.path.join(args.run_dir, "messages.tsv"))
-    elapsed, llm = time.time() - run.start_time, run.client.stats() if run.client else {}
-    summary = {**run.counters, "sps": (run.counters["env_steps"] - run.start_steps) / elapsed, "wall_time_s": elapsed,
-               "policy_lag_mean": float(np.mean(figures.get("lag_mean", [0.0]))),
-               "intrinsic_max_reward": max(figures.get("max_reward", [0.0])),
-               "intrinsic_terminal_step_reward": float(np.mean(figures["terminal_step_reward"]))
-               if "terminal_step_reward" in figures else None}
+    totals, elapsed = run_totals(run), time.time() - run.start_time
+    # figures of the whole run (over resumes); "session_" ones of this session alone
+    summary = {**run.counters, "sps": run.counters["env_steps"] / totals["wall_time_s"], "wall_time_s": totals["wall_time_s"],
+               "session_sps": (run.counters["env_steps"] - run.start_steps) / elapsed, "session_wall_time_s": elapsed,
+               "policy_lag_mean": totals.get("lag_sum", 0.0) / max(totals.get("lag_steps", 0), 1),
+               "intrinsic_max_reward": totals["max_reward"],
+               "intrinsic_terminal_step_reward": totals["terminal_paid"] / totals["terminal_steps"]
+               if totals.get("terminal_steps") else None}
     path = os.path.join(args.run_dir, "episodes.jsonl")  # all the run's episodes, resumed runs included
     episodes = [json.loads(line) for line in open(path)] if os.path.exists(path) else []
     summary["mean_episode_return"] = float(np.mean([e["return"] for e in episodes])) if episodes else None
     for k in sorted({k for e in episodes for k in e} - {"return", "env_steps"}):
         summary[f"mean_{k}"] = float(np.mean([e[k] for e in episodes if k in e]))
-    summary.update({"llm_labels": llm.get("labels", 0), "llm_failures": llm.get("failures", 0),
-                    "llm_parse_failures": llm.get("parse_failures", 0), "annotator_restarts": llm.get("restarts", 0),
-                    "llm_answers_restricted": llm.get("answers_restricted")})  # None: chat prompts, or no LLM
+    labels = os.path.join(args.run_dir, annotator.LABELS_FILE)  # every answer of the run, resumed sessions' too
+    summary.update({"llm_labels": sum(1 for _ in open(labels)) if os.path.exists(labels) else 0,
+                    "llm_failures": totals["llm_failures"], "llm_parse_failures": totals["llm_parse_failures"],
+                    "annotator_restarts": totals["llm_restarts"],  # llm_answers_restricted None: chat prompts, or no LLM
+                    "llm_answers_restricted": (run.client.stats() if run.client else {}).get("answers_restricted")})
     with open(os.path.join(args.run_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     run.writer.close()

@@ -533,6 +533,33 @@ def test_resume_takes_the_llm_flags_and_names_the_flags_it_ignores(tmp_path, cap
         assert oni_appo.parse_args(["--resume", path, *argv]).reward_model_share == share, (saved_share, argv)
 
 
+def test_a_run_split_by_two_resumes_reports_the_totals_of_its_pieces(tmp_path):
+    """summary.json after a resume described the last session alone: llm_labels 130 while labels.jsonl held 492;
+    wall time, LLM failures, policy lag and the largest reward of one session only."""
+    from fake_openai import FakeOpenAI
+    fake, run_dir, summaries, failed = FakeOpenAI().start(), str(tmp_path / "run"), [], 0
+    try:
+        for steps in (4000, 8000, 12000):
+            fake.fail_next = 2  # up to two failed requests in each session
+            start = SMALL_RUN[:-1] + ["retrieval", "--llm-url", fake.url, "--run-dir", run_dir] if not summaries else ["--resume", run_dir]
+            result = run(start + ["--total-env-steps", str(steps)])
+            assert result.returncode == 0, result.stderr[-2000:]
+            summaries.append(json.load(open(os.path.join(run_dir, "summary.json"))))
+            failed += 2 - fake.fail_next
+    finally:
+        fake.stop()
+    last = summaries[-1]
+    assert last["wall_time_s"] == pytest.approx(sum(s["session_wall_time_s"] for s in summaries), abs=1.0)
+    assert last["llm_failures"] == failed > 2
+    labelled = open(os.path.join(run_dir, "labels.jsonl")).read().splitlines()
+    assert last["llm_labels"] == len(labelled) > summaries[0]["llm_labels"] > 0
+    assert last["intrinsic_max_reward"] == max(s["intrinsic_max_reward"] for s in summaries) > 0
+    totals = torch.load(os.path.join(run_dir, "checkpoint.pt"), weights_only=False)["totals"]
+    # the lag is a mean over every rollout step learned in all sessions (a version tag covers a slot's 2 envs)
+    assert totals["lag_steps"] == last["updates"] * 256 // 2
+    assert last["policy_lag_mean"] == pytest.approx(totals["lag_sum"] / totals["lag_steps"])
+
+
 def test_resume_applies_every_flag_given_even_at_its_default(tmp_path, capsys):
     """A flag given with its default value counted as not given: a run saved with 16 workers and 500,000 steps
     kept both under `--num-workers 2 --total-env-steps 2000000000` on a 2-core box, and could never leave --llm-url."""

@@ -9,6 +9,7 @@ import heapq
 import random
 import threading
 import time
+import traceback
 
 import numpy as np
 import torch
@@ -224,7 +225,8 @@ class TrainedModel(NoReward):
                 while not self.stop.is_set():
                     if not self.train_now(share=share):
                         self.stop.wait(0.1)  # nothing due: look again soon
-            except BaseException as error:  # raised in the learner
+            except BaseException as error:  # the run ends as for a fatal LLM error: checkpoint, one line, --resume
+                traceback.print_exc()  # the cause, before that line
                 self.error = error
 
         self.started, self.thread = time.perf_counter(), threading.Thread(target=train, daemon=True)
@@ -396,8 +398,8 @@ class IntrinsicReward:
     def rewards(self, env_reward, messages, counts, terminal):
         """env_reward, counts, terminal (the step ended its episode): [T, B]; messages: [T, B, 256] uint8 on the
         CPU, each step's own message. Returns the mixed rewards, R / N^beta of each step and statistics."""
-        if self.piece.error is not None:
-            raise RuntimeError("the reward model's trainer failed") from self.piece.error
+        if (error := self.piece.error) is not None:  # the policy is intact: the learner saves it and stops
+            raise SystemExit(f"error: the reward model's trainer failed ({type(error).__name__}: {error})")
         rows, inverse, steps = unique_rows(messages.flatten(0, 1).cpu().numpy())
         texts = [envs.message_bytes(row).decode("latin-1") for row in rows]
         nonempty = rows.any(axis=1)  # the empty message is worth nothing and never asked

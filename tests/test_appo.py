@@ -560,6 +560,38 @@ def test_a_run_split_by_two_resumes_reports_the_totals_of_its_pieces(tmp_path):
     assert last["policy_lag_mean"] == pytest.approx(totals["lag_sum"] / totals["lag_steps"])
 
 
+def test_a_reward_model_trainer_crash_saves_the_run_and_it_resumes(tmp_path, monkeypatch, capsys):
+    """A crash of the trainer thread re-raised as a RuntimeError before finish(): no checkpoint, summary.json or
+    messages.tsv; up to 10 minutes of training lost. It must end like a fatal LLM error."""
+    import reward_models
+    labels = tmp_path / "labels.jsonl"  # both classes at once: the first fit is due from the first update
+    labels.write_text("".join(json.dumps({"caption": c, "label": v}) + "\n" for c, v in
+                              (("You kill the newt!", 1), ("It's a wall.", 0), ("You see here 3 gold pieces.", 1))))
+    monkeypatch.setattr(reward_models, "NEEDS_LLM", ())  # no annotator: the labels file is all it learns from
+    calls, real_loss = [], reward_models.Classification.minibatch_loss
+
+    def crash_on_the_fifth_step(self, batch_size):
+        calls.append(1)
+        if len(calls) == 5:
+            raise ValueError("injected trainer crash")
+        return real_loss(self, batch_size)
+    monkeypatch.setattr(reward_models.Classification, "minibatch_loss", crash_on_the_fifth_step)
+    argv = ["--num-workers", "1", "--num-envs-per-worker", "4", "--batch-size", "256", "--reward-type", "classification",
+            "--labels-from", str(labels), "--total-env-steps", "50000"]
+    with pytest.raises(SystemExit) as stop:
+        train_in_process(tmp_path, argv, monkeypatch)
+    run_dir = tmp_path / "run"
+    assert str(stop.value).startswith("error: the reward model's trainer failed (ValueError: injected trainer crash)")
+    assert str(stop.value).endswith(f"checkpoint saved, continue with --resume {run_dir}")
+    assert "injected trainer crash" in capsys.readouterr().err  # its traceback, printed when it happened
+    assert all((run_dir / f).exists() for f in ("checkpoint.pt", "summary.json", "messages.tsv"))
+    saved = torch.load(run_dir / "checkpoint.pt", weights_only=False)["counters"]
+    monkeypatch.setattr(reward_models.Classification, "minibatch_loss", real_loss)  # the cause fixed: resume
+    summary = train_in_process(tmp_path, ["--resume", str(run_dir), "--total-env-steps", str(saved["env_steps"] + 1024)],
+                               monkeypatch)
+    assert summary["updates"] > saved["updates"] and summary["env_steps"] >= saved["env_steps"] + 1024
+
+
 def test_resume_applies_every_flag_given_even_at_its_default(tmp_path, capsys):
     """A flag given with its default value counted as not given: a run saved with 16 workers and 500,000 steps
     kept both under `--num-workers 2 --total-env-steps 2000000000` on a 2-core box, and could never leave --llm-url."""

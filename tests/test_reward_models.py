@@ -679,5 +679,5 @@ def test_a_crash_of_the_trainer_thread_stops_the_learner(monkeypatch):
     while model.piece.error is None and time.time() < deadline:  # the first fit is due at once
         time.sleep(0.05)
     model.close()
-    with pytest.raises(RuntimeError, match="trainer failed"):
+    with pytest.raises(SystemExit, match=r"trainer failed \(ZeroDivisionError: division by zero\)"):
         model.rewards(*steps_of(STEPS))

@@ -17,6 +17,19 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import envs  # noqa: E402
 
 
+class RawNLE(base.NLE):
+    """NLE with the same keys and actions, each game seeded from NetHack's side as envs.py does (reset(seed=) seeds
+    only gym's): with fix_moon_phase its moon then follows the seeds, not the clock."""
+
+    def __init__(self, seed):
+        super().__init__(observation_keys=envs.OBS_KEYS, actions=envs.ACTIONS, fix_moon_phase=True)
+        self.seeds = np.random.default_rng(seed)
+
+    def reset(self, **kwargs):
+        self.seed(*(int(s) for s in self.seeds.integers(1, 2**62, size=2)), reseed=False)
+        return super().reset(**kwargs)
+
+
 def run_chunk(env, rng, steps):
     start = time.perf_counter()
     for _ in range(steps):
@@ -33,9 +46,9 @@ def main():
     args = parser.parse_args()
     print(f"{'task':42s} {'raw NLE/s':>10s} {'task/s':>10s} {'ratio':>6s}")
     for task in envs.TASKS:
-        raw = base.NLE(observation_keys=envs.OBS_KEYS, actions=envs.ACTIONS, fix_moon_phase=True)  # as envs.py
+        raw = RawNLE(seed=0)
         ours = envs.make_env(task, seed=0)
-        raw.reset(seed=0)
+        raw.reset()
         ours.reset()
         totals = {"raw": [0, 0.0], "ours": [0, 0.0]}
         rng_raw, rng_ours = np.random.default_rng(0), np.random.default_rng(0)

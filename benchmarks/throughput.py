@@ -32,12 +32,12 @@ sys.path.insert(0, ROOT)
 
 def raw_nle_worker(seconds, seed, out):
     import numpy as np
-    from nle.env import base
 
     import envs
-    env = base.NLE(observation_keys=envs.OBS_KEYS, actions=envs.ACTIONS, fix_moon_phase=True)  # as envs.py
-    env.reset(seed=seed)
-    rng, steps, start = np.random.default_rng(seed), 0, time.perf_counter()
+    from benchmarks.env_throughput import RawNLE
+    env, rng, steps = RawNLE(seed), np.random.default_rng(seed), 0
+    env.reset()
+    start = time.perf_counter()
     while time.perf_counter() - start < seconds:
         _, _, terminated, truncated, _ = env.step(int(rng.integers(len(envs.ACTIONS))))
         steps += 1
@@ -90,6 +90,7 @@ def train(extra, steps, workers, envs_per_worker, root=ROOT, collection=False):
     if result.returncode:
         raise SystemExit(f"error: {' '.join(command)} failed:\n{result.stderr[-2000:]}")
     summary = json.load(open(os.path.join(run_dir, "summary.json")))
+    summary["sps"] = summary.get("session_sps", summary["sps"])  # steps collected a second (as before it was named)
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     events = EventAccumulator(run_dir)
     events.Reload()

@@ -83,7 +83,7 @@ def test_staircase_success_on_a_real_descent(task, depth):
         obs, reward, term, trunc, info = descend_stairs(env)
         # the stairs message survives the automatic --More-- skip
         assert b"You descend the stairs." in text(obs)
-        assert obs["blstats"][nethack.NLE_BL_DLEVEL] == level
+        assert obs["blstats"][nethack.NLE_BL_DLEVEL] == level and obs["blstats"][nethack.NLE_BL_DNUM] == 0  # not the Mines
         if level < depth:
             assert (reward, term) == (0.0, False)
     assert (reward, term, trunc) == (envs.SUCCESS_REWARD, True, False)
@@ -178,7 +178,7 @@ def test_seeded_envs_repeat_their_games():
 
 def test_the_same_seed_plays_the_same_game():
     """Two envs of one seed, stepped with the same actions, see identical observations (the step's messages
-    too): nothing the game shows may depend on which process, or when, plays it."""
+    too). (Not what the date changes: test_the_moon_follows_the_seed_not_the_date guards that.)"""
     actions = np.random.default_rng(3).integers(28, size=400)
     games = [envs.make_env("NetHackScoreExtendedActions-v1", seed=3) for _ in range(2)]
     copy = lambda obs: {k: v.copy() for k, v in obs.items()}  # NLE refills its arrays in place

@@ -501,6 +501,7 @@ def set_up(args) -> Run:
             with open(episodes) as f:
                 kept = [e for e in f if e.endswith("\n") and json.loads(e).get("env_steps", 0) <= counters["env_steps"]]
             rewrite(episodes, kept)
+            counters["episodes"] = len(kept)
         labels = os.path.join(args.run_dir, annotator.LABELS_FILE)
         if os.path.exists(labels):  # the labels so far come back from the run's file, not asked again
             intrinsic.add_labels(records := annotator.read_labels(labels))
@@ -564,7 +565,7 @@ def stop_workers(conns, workers):
 def collect(run, conns):
     """Until the step budget or a stop: act for ready slots, hand full rollouts to the learner, log, checkpoint."""
     waiting, last_log, last_checkpoint = [], time.time(), time.time()
-    while run.counters["env_steps"] < run.args.total_env_steps and not run.stop.is_set():
+    while learned_steps(run) < run.args.total_env_steps and not run.stop.is_set():
         ready = waiting + receive(run, conns)  # slots that waited for a free buffer first
         # back-pressure: a slot at the end of its rollout waits while no buffer is free (the learner is behind)
         waiting = [s for s in ready if run.slot_t[s] == run.args.rollout and not hand_over(run, s)]
@@ -712,6 +713,12 @@ def update_policy(run, batch, rewards):
     return losses
 
 
+def learned_steps(run) -> int:
+    """Env steps the policy has learned from: what a checkpoint and summary.json count, and what --total-env-steps
+    asks for. The main thread's counters["env_steps"] runs ahead by the rollouts collected and not yet learned."""
+    return run.counters["updates"] * run.args.batch_size
+
+
 def run_totals(run) -> dict:
     """The whole run's sums over any number of resumes: the checkpoint's plus this session's (the learner's sums, its
     wall time, the annotator's counts, which start at 0 in each session)."""
@@ -725,7 +732,8 @@ def run_totals(run) -> dict:
 def save(run):
     totals = run_totals(run)
     with run.weights_lock:
-        state = dict(model=run.agent.state_dict(), optimizer=run.optimizer.state_dict(), counters=dict(run.counters),
+        state = dict(model=run.agent.state_dict(), optimizer=run.optimizer.state_dict(),  # a resume collects again
+                     counters=dict(run.counters, env_steps=learned_steps(run)),  # what was not learned
                      args=dataclasses.asdict(run.args), intrinsic=run.intrinsic.state_dict(), totals=totals)
     path = os.path.join(run.args.run_dir, "checkpoint.pt")
     torch.save(state, path + ".tmp")
@@ -773,7 +781,8 @@ def finish(run):
     run.intrinsic.write_messages(os.path.join(args.run_dir, "messages.tsv"))
     totals, elapsed = run_totals(run), time.time() - run.start_time
     # figures of the whole run (over resumes); "session_" ones of this session alone
-    summary = {**run.counters, "sps": run.counters["env_steps"] / totals["wall_time_s"], "wall_time_s": totals["wall_time_s"],
+    summary = {**run.counters, "env_steps": learned_steps(run), "sps": learned_steps(run) / totals["wall_time_s"],
+               "wall_time_s": totals["wall_time_s"],
                "session_sps": (run.counters["env_steps"] - run.start_steps) / elapsed, "session_wall_time_s": elapsed,
                "policy_lag_mean": totals.get("lag_sum", 0.0) / max(totals.get("lag_steps", 0), 1),
                "intrinsic_max_reward": totals["max_reward"],
@@ -795,7 +804,7 @@ def finish(run):
     failure = str(run.error).removeprefix("error: ") if isinstance(run.error, SystemExit) else run.worker_failure
     if failure:
         fail(f"{failure}; checkpoint saved, continue with --resume {args.run_dir}")
-    print(f"done: {run.counters['env_steps']:,} env steps, {summary['sps']:,.0f} steps/s; "
+    print(f"done: {summary['env_steps']:,} env steps, {summary['session_sps']:,.0f} steps/s; "
           f"{args.run_dir}/summary.json", flush=True)
     return summary
 

@@ -166,7 +166,7 @@ class TrainedModel(NoReward):
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=1e-4)
         self.rng, self.lock, self.stop = random.Random(args.seed), threading.Lock(), threading.Event()
         self.recent = collections.deque(maxlen=RECENT_BATCHES)  # {message: steps} of recent batches
-        self.new_labels = self.batches = self.model_steps = 0
+        self.new_labels = self.batches = self.model_steps = self.burst = 0  # burst: the steps of one not yet published
         self.loss, self.busy_s, self.started, self.owed_steps, self.published = None, 0.0, None, 0.0, None
 
     def add_labels(self, records):
@@ -195,8 +195,8 @@ class TrainedModel(NoReward):
                     self.owed_steps += (self.batches if len(self.data) >= SMALL_SET else
                                         STEPS_PER_LABEL * self.new_labels if self.model_steps else BURST)
                 self.new_labels = self.batches = 0
-            steps = min(int(self.owed_steps), BURST)
-            self.owed_steps -= steps
+                steps = self.burst = min(int(self.owed_steps), BURST)
+                self.owed_steps -= steps
         first = self.model_steps
         while self.model_steps - first < steps and not self.stop.is_set():
             started = time.perf_counter()
@@ -214,8 +214,10 @@ class TrainedModel(NoReward):
 
     def publish(self, **scoring):  # frozen copies for score() and the checkpoint, with their statistics unless given
         model = copy.deepcopy(self.model).eval().requires_grad_(False)
-        self.published = {"model": model, "model_steps": self.model_steps,
-                          "optimizer": copy.deepcopy(self.optimizer.state_dict()), **(scoring or self.scoring(model))}
+        published = {"model": model, "model_steps": self.model_steps, "minibatch_rng": self.rng.getstate(),
+                     "optimizer": copy.deepcopy(self.optimizer.state_dict()), **(scoring or self.scoring(model))}
+        with self.lock:
+            self.published, self.burst = published, 0
 
     def start(self, share=1.0):
         def train():
@@ -243,15 +245,27 @@ class TrainedModel(NoReward):
                  "reward_model_time_share": self.started and self.busy_s / (time.perf_counter() - self.started)}
         return {key: value for key, value in stats.items() if value is not None}
 
-    def state_dict(self) -> dict:  # as published (read once): the weights, optimizer and statistics of one moment
-        return dict(published, model=published["model"].state_dict()) if (published := self.published) else {}
+    def state_dict(self) -> dict:
+        """The model as published (its weights, optimizer, statistics and sampling stream of one moment) and the work
+        owed since: a resume goes on from there exactly (the steps of a burst cut short are owed again)."""
+        with self.lock:
+            published, trainer = self.published, {"owed_steps": self.owed_steps + self.burst, "batches": self.batches,
+                                                  "new_labels": self.new_labels, "labels": len(self.data),
+                                                  "recent": list(self.recent)}
+        return dict(published or {}, trainer=trainer, **({"model": published["model"].state_dict()} if published else {}))
 
-    def load_state_dict(self, state):  # before start(), after the run's labels came back: not new, the model saw them
-        self.new_labels = self.batches = 0
+    def load_state_dict(self, state):  # before start(), after the run's labels came back from labels.jsonl
+        trainer = state.get("trainer", {})  # (none in checkpoints from before it was kept: nothing owed)
+        self.owed_steps, self.batches = trainer.get("owed_steps", 0.0), trainer.get("batches", 0)
+        # labels the model had not trained on when saved, and those the LLM gave after the checkpoint
+        self.new_labels = trainer.get("new_labels", 0) + len(self.data) - trainer.get("labels", len(self.data))
+        self.recent.extend(trainer.get("recent", []))
         if state.get("model_steps"):
             self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
             self.model_steps = state["model_steps"]
+            if "minibatch_rng" in state:  # (checkpoints from before it was kept go on from the seed)
+                self.rng.setstate(state["minibatch_rng"])
             self.publish(**{key: state[key] for key in self.scoring_keys})
 
 

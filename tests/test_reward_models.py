@@ -681,3 +681,32 @@ def test_a_crash_of_the_trainer_thread_stops_the_learner(monkeypatch):
     model.close()
     with pytest.raises(SystemExit, match=r"trainer failed \(ZeroDivisionError: division by zero\)"):
         model.rewards(*steps_of(STEPS))
+
+
+def test_a_resume_continues_the_reward_model_exactly():
+    """A resume forgave the trainer's owed steps (288 owed became 0), the labels it had not trained on yet and those
+    answered after the checkpoint, restarted its sampling stream from the seed, and ranking's recent window empty."""
+    records = [{"caption": f"You kill the {m}!", "label": 1} for m in MONSTERS[:4]] + [
+        {"caption": f"The {m} bites!", "label": 0} for m in MONSTERS]
+    model = rm.IntrinsicReward(make_args(reward_type="classification"), "cpu")
+    model.add_labels(records[:10])
+    assert model.piece.train_now(batch_size=8) == rm.BURST  # the first fit, published
+    model.add_labels(records[10:16])  # not trained on yet when the checkpoint is taken
+    model.piece.owed_steps, model.piece.burst = 2.5, 7  # 2.5 owed, and a burst of 7 cut short by the save
+    state = model.state_dict()
+    model.add_labels(records[16:])  # answered after the checkpoint: they come back from labels.jsonl
+
+    resumed = rm.IntrinsicReward(make_args(reward_type="classification"), "cpu")
+    resumed.add_labels(records)  # as set_up does on resume: the run's labels.jsonl first
+    resumed.load_state_dict(state)
+    assert resumed.piece.owed_steps == 2.5 + 7 and resumed.piece.new_labels == len(records) - 10
+    assert resumed.piece.rng.getstate() == state["minibatch_rng"]  # the next minibatch is the one the run would draw
+    model.piece.rng.setstate(state["minibatch_rng"])  # (the run's own, had it not gone on)
+    assert [resumed.piece.rng.random() for _ in range(3)] == [model.piece.rng.random() for _ in range(3)]
+
+    ranking = rm.IntrinsicReward(make_args(reward_type="ranking"), "cpu")
+    for i in range(3):
+        ranking.piece.see([f"message {i}", "It's a wall."], np.array([i + 1, 10]))
+    again = rm.IntrinsicReward(make_args(reward_type="ranking"), "cpu")
+    again.load_state_dict(ranking.state_dict())
+    assert list(again.piece.recent) == list(ranking.piece.recent) and again.piece.batches == 3

@@ -59,9 +59,10 @@ PROMPTS = {
 # (hand-labelled messages of recorded runs); its test split never reaches a prompt.
 DEMOS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "benchmarks", "label_sets.tsv")
 DEMOS_PER_LABEL = 2
-# A base model's score of a message is logp(" Yes") - logp(" No") for the next token; helpful above THRESHOLD.
-# A pair is a tie when its two scores are closer than TIE_MARGIN. Both chosen on the dev split (--calibrate).
-THRESHOLD, TIE_MARGIN = 0.25, 0.5
+# A base model's score of a message is logp(" Yes") - logp(" No") for the next token; helpful above THRESHOLD,
+# which pays at most 5% of the dev split's unhelpful steps (label_quality.py --calibrate). A pair is a tie when
+# its two scores are closer than TIE_MARGIN: on dev 95% of (helpful, unhelpful) pairs still prefer the helpful.
+THRESHOLD, TIE_MARGIN = 0.84, 0.5
 LABEL_TAG = re.compile(r"<label>\s*(FOO|BAR)\s*</label>", re.IGNORECASE)
 PREFERENCE = re.compile(r"best_description\"?\s*:\s*\"?(1|2|None)", re.IGNORECASE)
 

@@ -1,7 +1,8 @@
 """How right an LLM labeler is on the messages an agent sees: per message, and per step.
 
-    python benchmarks/label_quality.py                   # the embedded labeler (starts it), today's beside it
-    python benchmarks/label_quality.py --calibrate       # choose THRESHOLD and TIE_MARGIN on the dev split first
+    python benchmarks/label_quality.py                   # the embedded labeler (starts it) on the test sets
+    python benchmarks/label_quality.py --calibrate --baseline  # THRESHOLD chosen on dev first; the old labeler after
+    python benchmarks/label_quality.py --greedy          # the embedded server without log-probabilities
     python benchmarks/label_quality.py --llm-url URL     # any OpenAI-compatible server (chat prompts too)
 
 Sets. `label_sets.tsv`: messages of this repo's recorded runs (results/**/messages.tsv), labelled by hand where
@@ -110,15 +111,14 @@ def pair_figures(rows, values, tie_margin):
 
 
 def calibrate(labeler, dev):
-    """THRESHOLD: the best of agreement + helpful steps paid - unhelpful steps paid on dev; TIE_MARGIN: the
-    largest that keeps 95% of the pairs preferring the helpful message or tied as at 0."""
+    """THRESHOLD: of those that pay at most 5% of dev's unhelpful steps (the goal; all if none does), the one with
+    the most agreement + helpful steps paid. The pairs' sweep over TIE_MARGIN is printed, to choose it by."""
     values, _ = scores(labeler, dev, leave_group_out=True)
     known = sorted({v for v in values if v is not annotator.UNPARSEABLE})
     candidates = [(a + b) / 2 for a, b in zip(known, known[1:])]
-    def merit(t):
-        agreement, unhelpful, helpful = figures(dev, to_labels(labeler, values, t))
-        return agreement + helpful - unhelpful
-    threshold = max(candidates, key=merit)
+    results = {t: figures(dev, to_labels(labeler, values, t)) for t in candidates}
+    allowed = [t for t in candidates if results[t][1] <= 0.05] or candidates
+    threshold = max(allowed, key=lambda t: results[t][0] + results[t][2])
     for t in sorted({round(t, 1) for t in candidates} | {threshold}):
         print(f"dev: THRESHOLD {t:6.2f}: agreement {{:.0%}}, unhelpful steps paid {{:.1%}}, helpful steps paid "
               f"{{:.0%}}".format(*figures(dev, to_labels(labeler, values, t))))
@@ -135,6 +135,8 @@ def report(name, labeler, sets, threshold):
         values, elapsed = scores(labeler, rows, leave_group_out=False)
         labels = to_labels(labeler, values, threshold)
         agreement, unhelpful, helpful = figures(rows, labels)
+        if labeler.style == "completion":  # known once the server has answered
+            name = name.split(", ")[0].rstrip(")") + (", score)" if labeler.scored else ", greedy Yes/No)")
         print(f"{name} on {set_name} ({len(rows)} messages, {sum(s for _, s, _, _ in rows):,} steps): agreement "
               f"{agreement:.1%}, unhelpful steps paid {unhelpful:.1%}, helpful steps paid {helpful:.1%}, "
               f"{elapsed / len(rows) * 1000:.0f} ms a label", flush=True)
@@ -159,9 +161,11 @@ def main():
     parser.add_argument("--model", default=None, help="model name (default: the server's first)")
     parser.add_argument("--calibrate", action="store_true", help="choose THRESHOLD on the dev split first")
     parser.add_argument("--baseline", action="store_true", help="also the labeler before demonstrations and scores")
+    parser.add_argument("--greedy", action="store_true", help="the embedded server without log-probabilities "
+                        "(faster): a greedy Yes/No, the same decision at THRESHOLD, no score for pairs")
     args = parser.parse_args()
     sets = load_sets()
-    server, url = (None, args.llm_url) if args.llm_url else llm_server.start()
+    server, url = (None, args.llm_url) if args.llm_url else llm_server.start(scored=not args.greedy)
     try:
         labeler = labeler_at(url, args.model)
         mode = ("chat prompts, label parsed from the <label> tag" if labeler.style == "chat" else
@@ -170,8 +174,7 @@ def main():
         threshold = calibrate(labeler, sets["dev"]) if args.calibrate and labeler.style == "completion" else \
             annotator.THRESHOLD
         annotator.THRESHOLD = threshold
-        report(f"labeler ({'score' if labeler.scored else 'greedy Yes/No: no log-probabilities'}, THRESHOLD "
-               f"{threshold:.2f})", labeler, sets, threshold)
+        report(f"labeler (THRESHOLD {threshold:.2f})", labeler, sets, threshold)
     finally:
         if server is not None:
             llm_server.stop(server)

@@ -12,7 +12,7 @@ random baseline are compared on the same episodes. Actions are sampled, as in tr
 episodeK.html: a self-contained page (the template replay.html, no server, no network) with the terminal
 of every step, its action, message, the message's count N in the episode, its LLM label, R and the paid
 R/N^beta under the checkpoint's reward model (the learner's own code: what it would pay), and the env reward.
-K numbers the episodes in the order they start.
+K numbers the episodes in the order they start, as eval.json lists them.
 """
 import glob
 import json
@@ -87,20 +87,27 @@ def record_step(episode, obs, action, reward, terminated, info):
     episode["steps"].append((action, obs["message"].copy(), info["message_count"], reward, terminated))
 
 
+def rounded(values) -> list:
+    """6 significant digits: the page shows 4 decimals, and 17-digit floats made a page 10% larger."""
+    return [float(f"{v:.6g}") for v in values]
+
+
 def write_replay(path, episode, intrinsic, title, summary):
     """episodeK.html: the template with the episode's data, its rewards from the learner's own code."""
     actions, messages, counts, env_rewards, terminal = zip(*episode["steps"])
-    messages, counts = torch.from_numpy(np.stack(messages))[:, None], torch.tensor(counts)[:, None]  # [T, B = 1]
-    extrinsic, terminal = torch.tensor(env_rewards)[:, None], torch.tensor(terminal)[:, None]
-    reward, paid, _ = intrinsic.rewards(extrinsic, messages, counts, terminal)
-    _, value, _ = intrinsic.rewards(extrinsic, messages, torch.ones_like(counts), terminal)  # R: what it pays at N = 1
-    texts = [envs.message_bytes(m).decode("latin-1") for m in messages[:, 0].numpy()]
+    # one batch [T, B = 2]: the episode at its counts N, and again at N = 1, where what is paid is R itself
+    counts = torch.tensor(counts)[:, None]
+    reward, paid, _ = intrinsic.rewards(torch.tensor(env_rewards)[:, None].expand(-1, 2),
+                                        torch.from_numpy(np.stack(messages))[:, None].expand(-1, 2, -1),
+                                        torch.cat([counts, torch.ones_like(counts)], 1),
+                                        torch.tensor(terminal)[:, None].expand(-1, 2))
+    texts = [envs.message_bytes(m).decode("latin-1") for m in messages]
     distinct = {text: i for i, text in enumerate(dict.fromkeys(texts))}
     data = {"title": title, "summary": summary, "actions": ACTION_NAMES, "frames": episode["frames"],
             "action": list(actions), "messages": list(distinct), "labels": [intrinsic.piece.labels.get(t) for t in distinct],
             "message": [distinct[t] for t in texts], "count": counts[:, 0].tolist(),
-            "value": value[:, 0].tolist(), "paid": paid[:, 0].tolist(), "env_reward": list(env_rewards),
-            "reward": reward[:, 0].tolist()}
+            "value": rounded(paid[:, 1].tolist()), "paid": rounded(paid[:, 0].tolist()),
+            "env_reward": rounded(env_rewards), "reward": rounded(reward[:, 0].tolist())}
     with open(TEMPLATE) as f:
         page = f.read().replace("REPLAY_DATA", json.dumps(data, separators=(",", ":")).replace("</", "<\\/"))
     with open(path, "w") as f:
@@ -113,7 +120,9 @@ def evaluate(args: Args) -> dict:
     device = pick_device(args.device)
     agent = Agent().to(device).eval()
     path, checkpoint, saved = load_checkpoint(args.checkpoint, agent)
-    torch.manual_seed(saved.seed)  # the same actions each time, and the same random ones with --random
+    # the actions' own stream, on the CPU: the same actions each time, with or without --record (whose reward
+    # model draws from torch's global one), and the same random ones with --random
+    sampler = torch.Generator().manual_seed(saved.seed)
     n = min(args.episodes, 16)
     recorded, nle_kwargs = 0, [{} for _ in range(n)]
     if args.record is not None:
@@ -123,11 +132,18 @@ def evaluate(args: Args) -> dict:
             savedir = tempfile.mkdtemp(prefix=".nle", dir=args.record)
         except OSError as error:
             fail(f"cannot write replays to {args.record}: {error.strerror or error}")
-        nle_kwargs = [dict(extra_keys=TTY_KEYS, savedir=os.path.join(savedir, str(i)), save_ttyrec_every=1) for i in range(n)]
+        # env i plays episodes i, i + n, ...: only the first `recorded` envs play one that is recorded
+        nle_kwargs = [dict(extra_keys=TTY_KEYS, savedir=os.path.join(savedir, str(i)), save_ttyrec_every=1)
+                      if i < recorded else {} for i in range(n)]
         intrinsic = reward_model(path, checkpoint, saved, device)
     first_seed = 10_000_019 * (saved.seed + 1)  # episodes no training run plays
     pool = [envs.make_env(saved.task, seed=first_seed + i, max_episode_steps=saved.max_episode_steps, **nle_kwargs[i])
             for i in range(n)]
+    for kwargs in nle_kwargs[:recorded]:
+        # with a savedir NLE points the game's score files there as nle.PID.* (nle/env/base.py) but creates only the
+        # xlogfile: without these two a death's last screen is "Cannot open file ... Is NetHack installed correctly?"
+        for name in ("record", "logfile"):
+            open(os.path.join(kwargs["savedir"], f"nle.{os.getpid()}.{name}"), "a").close()
     obs = [env.reset()[0] for env in pool]
     h = torch.zeros(n, agent.gru.hidden_size, device=device)
     results, started, active = [], n, list(range(n))
@@ -139,13 +155,13 @@ def evaluate(args: Args) -> dict:
             logits, _, h[active] = agent.step(batch, h[active])
             if args.random:
                 logits = torch.zeros_like(logits)
-            actions = torch.distributions.Categorical(logits=logits).sample().tolist()
+            actions = torch.multinomial(logits.softmax(-1).cpu(), 1, generator=sampler)[:, 0].tolist()
             for i, action in zip(list(active), actions):
                 obs[i], reward, terminated, truncated, info = pool[i].step(action)
                 if played[i][-1] < recorded:
                     record_step(records[i], obs[i], action, reward, terminated, info)
                 if terminated or truncated:
-                    results.append(info["episode"])
+                    results.append((played[i][-1], info["episode"]))
                     if played[i][-1] < recorded:
                         write_replay(os.path.join(args.record, f"episode{played[i][-1]}.html"), records[i], intrinsic,
                                      f"{saved.task}, {'random actions' if args.random else path}, episode "
@@ -159,6 +175,7 @@ def evaluate(args: Args) -> dict:
                         active.remove(i)
     for env in pool:
         env.close()  # NLE closes an episode's ttyrec at the next reset or here
+    results = [episode for _, episode in sorted(results, key=lambda r: r[0])]  # in the order they started
     summary = {k: float(np.mean([r[k] for r in results])) for k in results[0]}
     print(f"{len(results)} episodes of {saved.task} with {'random actions' if args.random else path}:")
     for k, v in summary.items():

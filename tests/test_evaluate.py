@@ -1,6 +1,7 @@
-"""evaluate.py --record on a short real episode: the page holds one frame per step and what the learner would pay
-(recomputed here by the project's reward code on the same game replayed), opens in a real headless chromium,
-and NLE's ttyrec reader reads NLE's recording, every step's screen among its frames."""
+"""evaluate.py --record on short real episodes, one cut at its step limit and one ending in death: the page holds
+each step's screen after that step and what the learner would pay (both recomputed here on the same game replayed,
+by NLE and the project's reward code), opens in a real headless chromium, and NLE's ttyrec reader reads NLE's
+recording, every step's screen among its frames. Recording changes no action."""
 import dataclasses
 import json
 import os
@@ -20,6 +21,19 @@ import reward_models
 
 STEPS, SEED = 40, 3
 HELPFUL = "Unknown command '^M'."  # MORE with no --More-- up: a random policy shows it often, with growing N
+SMITTEN = "Suddenly, a bolt of lightning strikes you!  You fry to a crisp!"  # the praying policy's death at SEED
+
+
+def save_run(run_dir, args, agent, labels=()):
+    """A run dir as oni_appo.py leaves it: the checkpoint and the LLM's labels."""
+    torch.save({"model": agent.state_dict(), "args": dataclasses.asdict(args), "counters": {}}, run_dir / "checkpoint.pt")
+    (run_dir / "labels.jsonl").write_text("".join(json.dumps({"caption": c, "label": 1}) + "\n" for c in labels))
+    return str(run_dir)
+
+
+def page_data(run_dir):
+    page = open(run_dir / "replay" / "episode0.html").read()
+    return json.loads(re.search(r'<script id="data" type="application/json">(.*?)</script>', page, re.S).group(1))
 
 
 @pytest.fixture(scope="module")
@@ -28,14 +42,56 @@ def recorded(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("run")
     args = oni_appo.Args(reward_type="retrieval", extrinsic_coef=0.1, max_episode_steps=STEPS, seed=SEED)
     torch.manual_seed(0)
-    torch.save({"model": oni_appo.Agent().state_dict(), "args": dataclasses.asdict(args), "counters": {}},
-               run_dir / "checkpoint.pt")
-    (run_dir / "labels.jsonl").write_text(json.dumps({"caption": HELPFUL, "label": 1}) + "\n")
-    evaluate.evaluate(evaluate.Args(str(run_dir), episodes=2, record=str(run_dir / "replay"), record_episodes=1,
-                                    device="cpu"))
-    page = open(run_dir / "replay" / "episode0.html").read()
-    data = json.loads(re.search(r'<script id="data" type="application/json">(.*?)</script>', page, re.S).group(1))
-    return run_dir, args, data
+    evaluate.evaluate(evaluate.Args(save_run(run_dir, args, oni_appo.Agent(), [HELPFUL]), episodes=2,
+                                    record=str(run_dir / "replay"), record_episodes=1, device="cpu"))
+    return run_dir, args, page_data(run_dir)
+
+
+@pytest.fixture(scope="module")
+def died(tmp_path_factory):
+    """A policy that only prays or answers y: its god strikes it down at step 24, a step the LLM labelled helpful."""
+    run_dir = tmp_path_factory.mktemp("died")
+    args = oni_appo.Args(reward_type="retrieval", extrinsic_coef=0.1, max_episode_steps=200, seed=SEED)
+    agent = oni_appo.Agent()
+    with torch.no_grad():
+        agent.actor.weight.zero_()
+        agent.actor.bias.fill_(-1e9)
+        agent.actor.bias[[envs.ACTIONS.index(envs.nethack.Command.PRAY), envs.CONFIRM_ACTION]] = 0
+    evaluate.evaluate(evaluate.Args(save_run(run_dir, args, agent, [SMITTEN]), episodes=1,
+                                    record=str(run_dir / "replay"), device="cpu"))
+    return run_dir, args, page_data(run_dir)
+
+
+def replayed(args, data, labels):
+    """The page's game played again by NLE with its actions (evaluate.py's first env's seed): each step's message,
+    N, env reward, end, screen after it, and what the learner's reward code pays it."""
+    env = envs.make_env(args.task, seed=10_000_019 * (SEED + 1), max_episode_steps=args.max_episode_steps,
+                        extra_keys=evaluate.TTY_KEYS)
+    env.reset()
+    messages, counts, env_rewards, terminal, screens = [], [], [], [], []
+    for action in data["action"]:
+        obs, reward, terminated, truncated, info = env.step(action)
+        messages.append(obs["message"].copy())
+        counts.append(info["message_count"])
+        env_rewards.append(reward)
+        terminal.append(terminated)
+        screens.append(np.stack([obs["tty_chars"], obs["tty_colors"].view(np.uint8)]))
+    env.close()
+    intrinsic = reward_models.IntrinsicReward(args, torch.device("cpu"))
+    intrinsic.add_labels([{"caption": c, "label": 1} for c in labels])
+    reward, paid, _ = intrinsic.rewards(torch.tensor(env_rewards)[:, None], torch.from_numpy(np.stack(messages))[:, None],
+                                        torch.tensor(counts)[:, None], torch.tensor(terminal)[:, None])
+    texts = [envs.message_bytes(m).decode("latin-1") for m in messages]
+    return dict(texts=texts, counts=counts, env_rewards=env_rewards, terminated=terminated, truncated=truncated,
+                screens=screens, reward=evaluate.rounded(reward[:, 0].tolist()), paid=evaluate.rounded(paid[:, 0].tolist()))
+
+
+def assert_the_page_is_the_game(data, game):
+    assert [data["messages"][i] for i in data["message"]] == game["texts"]
+    assert data["count"] == game["counts"] and data["env_reward"] == game["env_rewards"]
+    assert data["paid"] == game["paid"] and data["reward"] == game["reward"]
+    for step, (page, nle) in enumerate(zip(screens(data), game["screens"])):  # the screen after each step
+        assert (page == nle).all(), f"step {step + 1}'s screen is not NLE's after that step"
 
 
 def screens(data):
@@ -53,30 +109,36 @@ def test_the_page_holds_every_step_and_what_the_learner_would_pay(recorded):
     run_dir, args, data = recorded
     assert sorted(os.listdir(run_dir / "replay")) == ["episode0.html", f"episode0{evaluate.TTYREC}"]
     assert len(data["frames"]) == len(data["action"]) == len(data["paid"]) == STEPS  # truncated at STEPS
-    # the same game again (evaluate.py's first env's seed) with the page's actions: its messages and N
-    env = envs.make_env(args.task, seed=10_000_019 * (SEED + 1), max_episode_steps=STEPS)
-    env.reset()
-    messages, counts, env_rewards, terminal = [], [], [], []
-    for action in data["action"]:
-        obs, reward, terminated, truncated, info = env.step(action)
-        messages.append(obs["message"].copy())
-        counts.append(info["message_count"])
-        env_rewards.append(reward)
-        terminal.append(terminated)
-    env.close()
-    assert truncated and [data["messages"][i] for i in data["message"]] == [
-        envs.message_bytes(m).decode("latin-1") for m in messages]
-    assert data["count"] == counts and data["env_reward"] == env_rewards
-    intrinsic = reward_models.IntrinsicReward(args, torch.device("cpu"))
-    intrinsic.add_labels([{"caption": HELPFUL, "label": 1}])
-    reward, paid, _ = intrinsic.rewards(torch.tensor(env_rewards)[:, None], torch.from_numpy(np.stack(messages))[:, None],
-                                        torch.tensor(counts)[:, None], torch.tensor(terminal)[:, None])
-    assert data["paid"] == paid[:, 0].tolist() and data["reward"] == reward[:, 0].tolist()
+    game = replayed(args, data, [HELPFUL])
+    assert game["truncated"] and not game["terminated"]
+    assert_the_page_is_the_game(data, game)
     helpful = [t for t, i in enumerate(data["message"]) if data["messages"][i] == HELPFUL]
     assert len(helpful) >= 2 and data["paid"][helpful[1]] == 1 / 2 ** args.count_beta  # the test means something
     assert all(data["value"][t] == 1 for t in helpful) and sum(map(bool, data["value"])) == len(helpful)
     assert data["labels"][data["message"][helpful[0]]] == 1
     assert len(json.dumps(data)) < 400 * STEPS  # the frames are the changed cells, not 1,920 a step
+
+
+def test_a_death_ends_on_the_games_last_screen_and_its_last_words(died):
+    run_dir, args, data = died
+    game = replayed(args, data, [SMITTEN])
+    assert game["terminated"] and len(data["frames"]) == 24
+    assert_the_page_is_the_game(data, game)
+    last = screens(data)[-1][0].tobytes().decode("latin-1")
+    assert "Killed by the wrath of" in last and "Cannot open file" not in last  # the score list, not NLE's error
+    assert data["messages"][data["message"][-1]] == SMITTEN and data["paid"][-1] == game["paid"][-1] == 1
+
+
+def test_recording_changes_no_action(tmp_path):
+    """A ranking model draws its layers from torch's global random stream: the actions have their own."""
+    args = oni_appo.Args(reward_type="ranking", extrinsic_coef=0.1, max_episode_steps=STEPS, seed=SEED)
+    torch.manual_seed(0)
+    run_dir = save_run(tmp_path, args, oni_appo.Agent())
+    played = []
+    for record in (None, str(tmp_path / "replay")):
+        evaluate.evaluate(evaluate.Args(run_dir, episodes=2, record=record, record_episodes=1, device="cpu"))
+        played.append(json.load(open(tmp_path / "eval.json"))["episodes"])
+    assert played[0] == played[1]
 
 
 def test_nle_reads_its_ttyrec_and_every_step_screen_is_one_of_its_frames(recorded):

@@ -710,3 +710,19 @@ def test_a_resume_continues_the_reward_model_exactly():
     again = rm.IntrinsicReward(make_args(reward_type="ranking"), "cpu")
     again.load_state_dict(ranking.state_dict())
     assert list(again.piece.recent) == list(ranking.piece.recent) and again.piece.batches == 3
+
+
+def test_a_sweep_of_unanswered_captions_is_bounded_and_oldest_first():
+    """With 1e6 captions unanswered, one re-ask sweep scanned, shuffled and sent them all every 60 s (1.6 s of the
+    learner thread, 57 MB through the request queue); now at most a backlog's worth, the longest waiting first."""
+    model = rm.IntrinsicReward(make_args(reward_type="retrieval"), "cpu")
+    n, now = annotator.MAX_BACKLOG + 500, time.time()
+    model.asked = {f"message {i}": now - 1000 + i * 0.01 for i in range(n)}
+    model.asked["just asked"] = now
+    model.last_retry = 0.0
+    captions, _ = model.label_requests()
+    assert captions == [f"message {i}" for i in range(annotator.MAX_BACKLOG)]
+    model.last_retry = 0.0
+    captions, _ = model.label_requests()  # the rest, then those asked again: not before another RETRY_S
+    assert captions == [f"message {i}" for i in range(annotator.MAX_BACKLOG, n)]
+    assert list(model.asked)[-1] == f"message {n - 1}" and len(model.asked) == n + 1

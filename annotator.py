@@ -328,7 +328,8 @@ def serve(*, urls, model, prompts, concurrency, run_dir, known, requests, table,
             pause_s[server] = min(pause_s[server] * 2, MAX_BACKOFF_S)
         fatal = fatal or fatal_reason(error)
 
-    while not stop.is_set() and not fatal:
+    parent = os.getppid()  # a trainer killed by any signal (kill -9 too) must not leave us asking
+    while not stop.is_set() and not fatal and os.getppid() == parent:
         try:
             captions, pairs = requests.get(timeout=0.05)
             for item in [*captions, *pairs]:
@@ -396,6 +397,11 @@ def _serve_process(**kwargs):
     serve(**kwargs)
 
 
+def _manager_process():  # the learner decides when it stops, Ctrl-C does not; a trainer's death, by any signal, does
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    llm_server.die_with_parent()
+
+
 class LabelClient:
     """Starts the annotator (and the embedded LLM server when no --llm-url is given), sends it
     requests, reads new labels in bulk from the LabelTable, and restarts the annotator if it dies."""
@@ -427,8 +433,8 @@ class LabelClient:
             print(f"embedded LLM server at {url}", flush=True)
         try:
             self.ctx = multiprocessing.get_context("spawn")
-            self.manager = Manager(ctx=self.ctx)  # the learner decides when it stops: Ctrl-C must not kill it
-            self.manager.start(signal.signal, (signal.SIGINT, signal.SIG_IGN))
+            self.manager = Manager(ctx=self.ctx)
+            self.manager.start(_manager_process)  # (started from the main thread, which the signal is tied to)
             self.table, self.shared_stats, self.stop = self.manager.LabelTable(), self.manager.dict(), self.ctx.Event()
             self.launch()
         except BaseException:

@@ -1,5 +1,6 @@
 """The learner: V-trace against the paper's formula, GRU resets, learning, and whole runs on NLE."""
 import collections
+import contextlib
 import json
 import os
 import signal
@@ -593,6 +594,47 @@ def test_a_reward_model_trainer_crash_saves_the_run_and_it_resumes(tmp_path, mon
     summary = train_in_process(tmp_path, ["--resume", str(run_dir), "--total-env-steps", str(saved["env_steps"] + 1024)],
                                monkeypatch)
     assert summary["updates"] > saved["updates"] and summary["env_steps"] >= saved["env_steps"] + 1024
+
+
+def process_states():
+    """pid -> (state, parent pid) of every process, from /proc."""
+    states = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError, IndexError):
+            stat = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
+            states[int(entry)] = stat[0], int(stat[1])
+    return states
+
+
+def descendants(pid):
+    """Every live process under pid, zombies excluded."""
+    children = collections.defaultdict(list)
+    for child, (state, parent) in process_states().items():
+        if state != "Z":
+            children[parent].append(child)
+    found, todo = [], [pid]
+    while todo:
+        found += children[todo[-1]]
+        todo += children[todo.pop()]
+    return found
+
+
+def test_a_trainer_killed_by_sigkill_leaves_no_child_running(tmp_path):
+    """15 s after kill -9 of the trainer, the llama.cpp server, the Manager and the annotator were alive under PID 1:
+    each crash-and-resume added an LLM server holding cores and memory."""
+    proc = subprocess.Popen([sys.executable, "oni_appo.py", *SMALL_RUN[:-1], "retrieval", "--run-dir", str(tmp_path / "run")],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    for line in proc.stdout:
+        if "steps/s" in line:  # the embedded server, the Manager, the annotator and the workers all run
+            break
+    children = descendants(proc.pid)
+    assert len(children) >= 5, children  # 2 workers, the server, the Manager, the annotator
+    proc.kill()
+    proc.wait()
+    deadline = time.time() + 10
+    while (left := [pid for pid in children if process_states().get(pid, ("Z",))[0] != "Z"]) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not left, [open(f"/proc/{pid}/cmdline").read().replace("\0", " ")[:100] for pid in left]
 
 
 def test_resume_applies_every_flag_given_even_at_its_default(tmp_path, capsys):

@@ -453,8 +453,8 @@ class LabelClient:
         self.process = process  # only once started: close() joins it
 
     def check(self):
-        """Once per learner update, cheap (reads the stats every CHECK_EVERY_S at most): restarts a dead
-        annotator; a fatal error raises SystemExit (the learner saves a checkpoint: fix it, --resume)."""
+        """Once per learner update, cheap (reads the stats every CHECK_EVERY_S at most): restarts a dead annotator
+        (True: what it had not answered is lost); a fatal error raises SystemExit (the learner saves: --resume)."""
         alive = self.process is not None and self.process.is_alive()
         if self.process is None or alive and time.time() < self.next_check:
             return
@@ -468,6 +468,7 @@ class LabelClient:
                 raise SystemExit(f"error: {why}")
             print(f"{why}: restarting it", file=sys.stderr, flush=True)
             self.launch()
+            return True
 
     def request(self, captions, pairs):
         if captions or pairs:

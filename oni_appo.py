@@ -659,7 +659,8 @@ def learn(run):
             intrinsic_done = time.perf_counter()
             losses = update_policy(run, batch, rewards)
             if run.client is not None:  # where labels enter the reward, and captions leave for the LLM
-                run.client.check()  # a fatal LLM error stops the run; a dead annotator is restarted
+                if run.client.check():  # a fatal LLM error stops the run; a dead annotator is restarted, and asked
+                    run.client.request(*run.intrinsic.unanswered())  # again what its backlog and requests held
                 run.intrinsic.add_labels(run.client.new_records())
                 run.client.request(*run.intrinsic.label_requests())
             run.losses = dict(losses, **run.intrinsic.train_stats(), time_intrinsic_s=intrinsic_done - started,

@@ -468,6 +468,9 @@ class IntrinsicReward:
         self.reused.update(pairs)
         self.piece.add_labels([{"pair": list(pair), "preference": self.answered[pair]} for pair in pairs])
 
+    def unanswered(self) -> tuple[list[str], list[tuple[str, str]]]:  # for a restarted annotator: the newest, as many
+        return list(self.asked)[-annotator.MAX_BACKLOG:], list(self.waiting)[-annotator.MAX_BACKLOG:]  # as it holds
+
     def label_requests(self) -> tuple[list[str], list[tuple[str, str]]]:
         """What to ask the LLM now: captions new since the last call and those unanswered for RETRY_S (a full
         backlog may have dropped them); ranking: of PAIRS_PER_BATCH pairs per batch since the last call, those not

@@ -726,3 +726,37 @@ def test_a_sweep_of_unanswered_captions_is_bounded_and_oldest_first():
     captions, _ = model.label_requests()  # the rest, then those asked again: not before another RETRY_S
     assert captions == [f"message {i}" for i in range(annotator.MAX_BACKLOG, n)]
     assert list(model.asked)[-1] == f"message {n - 1}" and len(model.asked) == n + 1
+
+
+def test_an_annotator_restart_asks_again_what_it_had_not_answered(tmp_path):
+    """A restart lost the annotator's backlog and requests in flight: 8 of 8 queued captions and 4 of 4 pairs went
+    unanswered; captions came back after the 60 s re-ask, pairs never."""
+    from types import SimpleNamespace
+
+    from fake_openai import FakeOpenAI
+    fake = FakeOpenAI().start()
+    fake.delay = 0.2  # one request at a time: the rest wait in the backlog when the annotator dies
+    try:
+        for reward_type, pending in (("retrieval", "asked"), ("ranking", "waiting")):
+            model = rm.IntrinsicReward(make_args(reward_type=reward_type), "cpu")
+            client = annotator.LabelClient(SimpleNamespace(prompt_file=None, llm_url=[fake.url], llm_model=None,
+                                                           llm_concurrency=1))
+            client.start(str(tmp_path), set())
+            try:
+                model.rewards(*steps_of(STEPS + [(f"You kill the {m}!", 30) for m in MONSTERS[:8]]))
+                client.request(*model.label_requests())
+                time.sleep(0.5)
+                assert len(getattr(model, pending)) >= 4
+                client.process.kill()
+                client.process.join()
+                assert client.check()  # restarted: as the learner does then, ask again what was not answered
+                client.request(*model.unanswered())
+                deadline = time.time() + 60
+                while getattr(model, pending) and time.time() < deadline:
+                    model.add_labels(client.new_records())
+                    time.sleep(0.1)
+                assert not getattr(model, pending), (reward_type, getattr(model, pending))
+            finally:
+                client.close()
+    finally:
+        fake.stop()

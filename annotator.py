@@ -269,17 +269,18 @@ class Labeler:
         return None if abs(first - second) < TIE_MARGIN else 1 if first > second else 2
 
 
-class LabelTable(dict):
-    """The one label channel, in the Manager's process (it outlives a restarted annotator): item_key -> its latest
-    record, and the records as written (a caption asked again appears again) until the learner has read them."""
+class LabelTable:
+    """The one label channel, in the Manager's process (it outlives a restarted annotator): the records as written
+    (a caption asked again appears again) until the learner has read them, and the keys settled (1e6 records kept
+    for good took 455 MB)."""
 
     def __init__(self):
-        super().__init__()
-        self.written, self.read = [], 0  # read: records the learner has taken, dropped (2e9 steps: millions)
+        self.written, self.read, self.done = [], 0, set()  # read: records the learner has taken, dropped
 
     def put(self, entries):  # [(key, record)]: one turn of the annotator's loop, one round trip
         for key, record in entries:
-            self[key] = record
+            if record.get("label", 0) is not None:  # not to be asked again: pairs (a tie is an answer), labels
+                self.done.add(key)
             self.written.append(record)
 
     def since(self, cursor: int):  # (the records written after the first `cursor` ones, the new cursor)
@@ -288,8 +289,8 @@ class LabelTable(dict):
         end = len(self.written)  # first: a record appended between the two reads would be skipped for good
         return self.written[:end], self.read + end
 
-    def settled(self) -> list:  # not to be asked again: pairs (a tie is an answer), captions with a label
-        return [key for key, record in self.items() if record.get("label", 0) is not None]
+    def settled(self) -> list:
+        return list(self.done)
 
 
 class Manager(multiprocessing.managers.SyncManager):

@@ -107,7 +107,7 @@ def pair_figures(rows, values, tie_margin):
     diffs = [g - b for g in good for b in bad] or [0.0]
     right = sum(d >= tie_margin for d in diffs) / len(diffs)
     ties = sum(abs(d) < tie_margin for d in diffs) / len(diffs)
-    return right, ties, 1 - right - ties
+    return right, ties, max(0.0, 1 - right - ties)
 
 
 def calibrate(labeler, dev):

@@ -329,8 +329,7 @@ def serve(*, urls, model, prompts, concurrency, run_dir, known, requests, table,
             pause_s[server] = min(pause_s[server] * 2, MAX_BACKOFF_S)
         fatal = fatal or fatal_reason(error)
 
-    parent = os.getppid()  # a trainer killed by any signal (kill -9 too) must not leave us asking
-    while not stop.is_set() and not fatal and os.getppid() == parent:
+    while not stop.is_set() and not fatal:
         try:
             captions, pairs = requests.get(timeout=0.05)
             for item in [*captions, *pairs]:
@@ -398,9 +397,9 @@ def _serve_process(**kwargs):
     serve(**kwargs)
 
 
-def _manager_process():  # the learner decides when it stops, Ctrl-C does not; a trainer's death, by any signal, does
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    llm_server.die_with_parent()
+def _manager_process(parent):  # the learner decides when it stops, Ctrl-C does not; the trainer's death does (and
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # then the annotator's, which writes to it)
+    llm_server.die_with_parent(parent)
 
 
 class LabelClient:
@@ -435,7 +434,7 @@ class LabelClient:
         try:
             self.ctx = multiprocessing.get_context("spawn")
             self.manager = Manager(ctx=self.ctx)
-            self.manager.start(_manager_process)  # (started from the main thread, which the signal is tied to)
+            self.manager.start(_manager_process, (os.getpid(),))  # (from the main thread, which the signal is tied to)
             self.table, self.shared_stats, self.stop = self.manager.LabelTable(), self.manager.dict(), self.ctx.Event()
             self.launch()
         except BaseException:
@@ -455,7 +454,7 @@ class LabelClient:
 
     def check(self):
         """Once per learner update, cheap (reads the stats every CHECK_EVERY_S at most): restarts a dead annotator
-        (True: what it had not answered is lost); a fatal error raises SystemExit (the learner saves: --resume)."""
+        (True: the learner asks again what it had not answered); a fatal error raises SystemExit (the learner saves)."""
         alive = self.process is not None and self.process.is_alive()
         if self.process is None or alive and time.time() < self.next_check:
             return

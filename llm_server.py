@@ -7,6 +7,7 @@ Waits until `/v1/models` answers, prints the base URL to pass as `--llm-url`, an
 on Ctrl-C / SIGTERM. `oni_appo.py` starts the embedded one itself when no `--llm-url` is given."""
 import argparse
 import ctypes
+import functools
 import importlib.util
 import os
 import signal
@@ -29,13 +30,20 @@ def embedded_model_path() -> str:
     return str(assemble())
 
 
-def die_with_parent(sig=signal.SIGTERM):
+try:  # looked up here, once: a child between fork and exec must not load libraries
+    PRCTL = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):  # not Linux
+    PRCTL = None
+
+
+def die_with_parent(parent, sig=signal.SIGTERM):
     """Linux: the kernel sends this process `sig` when the thread that started it dies, by any signal (kill -9, the
-    OOM killer, a pre-emption): a crashed trainer must leave no LLM server, Manager or annotator holding cores."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(sig))  # PR_SET_DEATHSIG
-    except (OSError, AttributeError):  # not Linux: children end when they notice (the annotator checks its parent)
-        pass
+    OOM killer, a pre-emption): a crashed trainer must leave no LLM server or Manager holding cores. `parent`: its
+    pid, to exit now if it died before the signal was set."""
+    if PRCTL is not None:
+        PRCTL(1, int(sig))  # PR_SET_DEATHSIG
+        if os.getppid() != parent:
+            os._exit(1)
 
 
 def build_command(backend, model, host, port, threads=None, tensor_parallel_size=1, num_workers=0,
@@ -99,7 +107,7 @@ def start(backend="llama_cpp", model=None, host="127.0.0.1", port=None, threads=
     log = open(log_path, "a")
     # its own session: a Ctrl-C meant for the trainer must not kill the server under it
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                               preexec_fn=die_with_parent)
+                               preexec_fn=functools.partial(die_with_parent, os.getpid()))
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}/v1"
     wait_until_ready(url, process, timeout_s, log_path)
     return process, url

@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import enum
 import json
+import math
 import multiprocessing.connection
 import os
 import queue
@@ -108,7 +109,7 @@ class Args:
 # Flags that a resumed run takes from its command line; all others come from the checkpoint.
 RESUME_OVERRIDES = ("total_env_steps", "num_workers", "device", "track", "llm_url", "llm_model", "llm_concurrency",
                     "llm_threads", "prompt_file", "checkpoint_every_s", "reward_model_share")
-LLM_COUNTS = ("requests", "failures", "parse_failures", "dropped", "restarts")  # the annotator's, summed over resumes
+LLM_COUNTS = ("requests", "labels", "failures", "parse_failures", "dropped", "restarts")  # summed over resumes
 CROP = 12  # the paper's crop of the map around the agent
 TORCH_THREADS = torch.get_num_threads()  # the learner's, read before any thread changes the default
 
@@ -446,6 +447,7 @@ class Run:
         for b in range(num_slots, len(self.buffers["h0"])):  # slot s starts in buffer s
             self.free.put(b)
         self.start_steps = self.counters["env_steps"]  # this session's, for steps/s
+        self.start_learned = self.counters["updates"] * args.batch_size
         self.slot_buffer, self.slot_t = list(range(num_slots)), [0] * num_slots
         self.buffer_slot = list(range(num_slots)) + [0] * self.buffers_per_batch  # which slot filled each buffer
         self.hidden = torch.zeros(num_slots, self.envs_per_slot, self.agent.gru.hidden_size, device=self.device)
@@ -655,7 +657,7 @@ def learn(run):
             terminal = batch["end"] == End.TERMINATED  # summary.json's means are over steps, not over batches
             run.sums.update(lag_sum=lag.sum().item(), lag_steps=lag.numel(), terminal_paid=paid[terminal].sum().item(),
                             terminal_steps=terminal.sum().item())
-            run.sums["max_reward"] = max(run.sums["max_reward"], paid.max().item())
+            run.sums["max_reward"] = max(run.sums.get("max_reward", -math.inf), paid.max().item())
             intrinsic_done = time.perf_counter()
             losses = update_policy(run, batch, rewards)
             if run.client is not None:  # where labels enter the reward, and captions leave for the LLM
@@ -720,18 +722,18 @@ def learned_steps(run) -> int:
     return run.counters["updates"] * run.args.batch_size
 
 
-def run_totals(run) -> dict:
+def run_totals(run, llm) -> dict:
     """The whole run's sums over any number of resumes: the checkpoint's plus this session's (the learner's sums, its
-    wall time, the annotator's counts, which start at 0 in each session)."""
-    llm = run.client.stats() if run.client is not None else {}
-    session = dict(run.sums, wall_time_s=time.time() - run.start_time, **{f"llm_{k}": llm.get(k, 0) for k in LLM_COUNTS})
-    totals = {k: run.saved_totals.get(k, 0) + session.get(k, 0) for k in {*run.saved_totals, *session}}
-    totals["max_reward"] = max(run.saved_totals.get("max_reward", 0.0), run.sums["max_reward"])
+    wall time and steps learned, the counts in the annotator's stats `llm`, which start at 0 in each session)."""
+    session = dict(run.sums, wall_time_s=time.time() - run.start_time, learned_steps=learned_steps(run) - run.start_learned,
+                   **{f"llm_{k}": llm.get(k, 0) for k in LLM_COUNTS})
+    totals = {k: run.saved_totals.get(k, 0) + session.get(k, 0) for k in {*run.saved_totals, *session} - {"max_reward"}}
+    totals["max_reward"] = max(run.saved_totals.get("max_reward", -math.inf), run.sums.get("max_reward", -math.inf))
     return totals
 
 
 def save(run):
-    totals = run_totals(run)
+    totals = run_totals(run, run.client.stats() if run.client is not None else {})
     with run.weights_lock:
         state = dict(model=run.agent.state_dict(), optimizer=run.optimizer.state_dict(),  # a resume collects again
                      counters=dict(run.counters, env_steps=learned_steps(run)),  # what was not learned
@@ -755,8 +757,8 @@ def log_progress(run, episodes, now):
     figures = {k: max(v) if k.endswith("max") or k.startswith("max") else float(np.mean(v)) for k, v in figures.items()}
     lag_mean, lag_max = figures.pop("lag_mean", 0.0), int(figures.pop("lag_max", 0))
     llm = run.client.stats() if run.client is not None else {}
-    if llm:  # counts of the whole run, as in summary.json
-        llm.update({k: v for k, v in run_totals(run).items() if k.startswith("llm_")})
+    if llm:  # counts of the whole run, as in summary.json (a new dict: after close() stats() returns its own)
+        llm = {**llm, **{k.removeprefix("llm_"): v for k, v in run_totals(run, llm).items() if k.startswith("llm_")}}
     charts = {"SPS": sps, "policy_lag_mean": lag_mean, "policy_lag_max": lag_max, "updates": run.counters["updates"]}
     for prefix, values in (("charts", charts), ("losses", run.losses), ("intrinsic", figures), ("llm", llm)):
         add_scalars(writer, prefix, values, steps)
@@ -780,13 +782,14 @@ def finish(run):
     log_progress(run, join_episodes(run.pending, run.finished, final=True), time.time())
     save(run)
     run.intrinsic.write_messages(os.path.join(args.run_dir, "messages.tsv"))
-    totals, elapsed = run_totals(run), time.time() - run.start_time
-    # figures of the whole run (over resumes); "session_" ones of this session alone
-    summary = {**run.counters, "env_steps": learned_steps(run), "sps": learned_steps(run) / totals["wall_time_s"],
+    llm = run.client.stats() if run.client is not None else {}
+    totals, elapsed = run_totals(run, llm), time.time() - run.start_time
+    # figures of the whole run (over resumes): steps learned a second; "session_": this session's, steps collected
+    summary = {**run.counters, "env_steps": learned_steps(run), "sps": totals["learned_steps"] / totals["wall_time_s"],
                "wall_time_s": totals["wall_time_s"],
                "session_sps": (run.counters["env_steps"] - run.start_steps) / elapsed, "session_wall_time_s": elapsed,
                "policy_lag_mean": totals.get("lag_sum", 0.0) / max(totals.get("lag_steps", 0), 1),
-               "intrinsic_max_reward": totals["max_reward"],
+               "intrinsic_max_reward": totals["max_reward"] if totals["max_reward"] > -math.inf else None,
                "intrinsic_terminal_step_reward": totals["terminal_paid"] / totals["terminal_steps"]
                if totals.get("terminal_steps") else None}
     path = os.path.join(args.run_dir, "episodes.jsonl")  # all the run's episodes, resumed runs included
@@ -797,8 +800,8 @@ def finish(run):
     labels = os.path.join(args.run_dir, annotator.LABELS_FILE)  # every answer of the run, resumed sessions' too
     summary.update({"llm_labels": sum(1 for _ in open(labels)) if os.path.exists(labels) else 0,
                     "llm_failures": totals["llm_failures"], "llm_parse_failures": totals["llm_parse_failures"],
-                    "annotator_restarts": totals["llm_restarts"],  # llm_answers_restricted None: chat prompts, or no LLM
-                    "llm_answers_restricted": (run.client.stats() if run.client else {}).get("answers_restricted")})
+                    "annotator_restarts": totals["llm_restarts"],  # None: chat prompts, or no LLM
+                    "llm_answers_restricted": llm.get("answers_restricted"), "llm_answers_scored": llm.get("answers_scored")})
     with open(os.path.join(args.run_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     run.writer.close()

@@ -6,6 +6,7 @@ scored with its own last message, not the next episode's first."""
 import collections
 import copy
 import heapq
+import itertools
 import random
 import threading
 import time
@@ -195,7 +196,7 @@ class TrainedModel(NoReward):
                     self.owed_steps += (self.batches if len(self.data) >= SMALL_SET else
                                         STEPS_PER_LABEL * self.new_labels if self.model_steps else BURST)
                 self.new_labels = self.batches = 0
-                steps = self.burst = min(int(self.owed_steps), BURST)
+                steps = self.burst = max(0, min(int(self.owed_steps), BURST))
                 self.owed_steps -= steps
         first = self.model_steps
         while self.model_steps - first < steps and not self.stop.is_set():
@@ -258,7 +259,8 @@ class TrainedModel(NoReward):
         trainer = state.get("trainer", {})  # (none in checkpoints from before it was kept: nothing owed)
         self.owed_steps, self.batches = trainer.get("owed_steps", 0.0), trainer.get("batches", 0)
         # labels the model had not trained on when saved, and those the LLM gave after the checkpoint
-        self.new_labels = trainer.get("new_labels", 0) + len(self.data) - trainer.get("labels", len(self.data))
+        # (fewer if labels.jsonl lost the last records a crash cut short: not below none)
+        self.new_labels = max(0, trainer.get("new_labels", 0) + len(self.data) - trainer.get("labels", len(self.data)))
         self.recent.extend(trainer.get("recent", []))
         if state.get("model_steps"):
             self.model.load_state_dict(state["model"])
@@ -283,11 +285,13 @@ class Classification(TrainedModel):
         return (published["model"](rows).softmax(-1)[:, 1] > 0.5).float() * published["fitted"]
 
     def add_labels(self, records):
-        new = dict.fromkeys(r["caption"] for r in records if r.get("label") is not None and r["caption"] not in self.labels)
+        labelled = [(r["caption"], float(r["label"])) for r in records if r.get("label") is not None]
+        new = dict.fromkeys(caption for caption, _ in labelled if caption not in self.labels)
+        changed = any(self.labels.get(caption, label) != label for caption, label in labelled)  # rare: a re-ask
         super().add_labels(records)
         with self.lock:
             self.keys += new
-            self.classes.update(float(r["label"]) for r in records if r.get("label") is not None)
+            self.classes = set(self.labels.values()) if changed else self.classes | {label for _, label in labelled}
 
     def minibatch_loss(self, batch_size):
         with self.lock:
@@ -469,23 +473,25 @@ class IntrinsicReward:
         self.piece.add_labels([{"pair": list(pair), "preference": self.answered[pair]} for pair in pairs])
 
     def unanswered(self) -> tuple[list[str], list[tuple[str, str]]]:  # for a restarted annotator: the newest, as many
-        return list(self.asked)[-annotator.MAX_BACKLOG:], list(self.waiting)[-annotator.MAX_BACKLOG:]  # as it holds
+        newest = lambda table: list(itertools.islice(reversed(table), annotator.MAX_BACKLOG))[::-1]  # as it holds
+        return newest(self.asked), newest(self.waiting)
 
     def label_requests(self) -> tuple[list[str], list[tuple[str, str]]]:
         """What to ask the LLM now: captions new since the last call and those unanswered for RETRY_S (a full
         backlog may have dropped them); ranking: of PAIRS_PER_BATCH pairs per batch since the last call, those not
         answered yet. Each drawn pair is trained on once, so the pairs keep the steps' frequencies."""
         captions, self.to_ask, now = self.to_ask, [], time.time()
-        if now - self.last_retry > RETRY_S:  # the oldest first, as many as the annotator's backlog holds: a sweep
-            again = []  # of 1e6 unanswered captions stalled the learner 1.6 s and pushed 57 MB through the queue
+        if now - self.last_retry > RETRY_S:  # the oldest first, as many as the annotator's backlog holds beside the
+            again = []  # new ones: a sweep of 1e6 unanswered stalled the learner 1.6 s and pushed 57 MB through the queue
             for text, at in self.asked.items():
-                if now - at <= RETRY_S or len(again) == annotator.MAX_BACKLOG:
+                if now - at <= RETRY_S or len(again) >= annotator.MAX_BACKLOG - len(captions):
                     break
                 again.append(text)
             for text in again:  # to the end: asked now
                 del self.asked[text]
                 self.asked[text] = now
-            captions, self.last_retry = captions + again, now
+            # before the new ones: the annotator asks the newest first and drops the oldest from a full backlog
+            captions, self.last_retry = again + captions, now
         wanted, self.batches_to_pair = PAIRS_PER_BATCH * self.batches_to_pair, 0
         drawn = [pair for _ in range(wanted) if self.pair_pool and (pair := self.draw_pair())]
         self.reuse([pair for pair in drawn if pair in self.answered])

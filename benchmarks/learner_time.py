@@ -63,7 +63,7 @@ def main():
             ["--reward-type", kind, *extra, "--total-env-steps", str(args.steps), "--num-workers", str(args.num_workers),
              "--run-dir", tempfile.mkdtemp(prefix="oni-learner-time-"), "--checkpoint-every-s", "1e9"]))
         columns[kind] = {key: 1e3 * value / summary["updates"] for key, value in SPENT.items()}
-        columns[kind]["steps/s"] = summary["sps"]
+        columns[kind]["steps/s"] = summary.get("session_sps", summary["sps"])  # collected a second
     stub.terminate()
     print(f"| ms per update | none | ranking |\n|---|---|---|")
     for key in sorted(set(columns["none"]) | set(columns["ranking"]), key=lambda k: -columns["ranking"].get(k, 0)):

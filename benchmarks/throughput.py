@@ -75,7 +75,7 @@ def collection_run(oni_argv):
     oni_appo.act, oni_appo.update_policy = timed_act, no_update
     args = oni_appo.parse_args(oni_argv)
     summary = oni_appo.train(args)
-    summary["inference_share"] = inference_s[0] / summary["wall_time_s"]
+    summary["inference_share"] = inference_s[0] / summary["session_wall_time_s"]
     with open(os.path.join(args.run_dir, "summary.json"), "w") as f:
         json.dump(summary, f)
 

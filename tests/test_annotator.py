@@ -37,7 +37,8 @@ class Annotator:
     @property
     def labels(self):
         """key -> the latest answer"""
-        return {key: r["label"] if "caption" in r else r["preference"] for key, r in dict(self.table).items()}
+        return {r["caption"] if "caption" in r else annotator.item_key(tuple(r["pair"])):
+                r["label"] if "caption" in r else r["preference"] for r in self.log}
 
     @property
     def log(self):

@@ -555,6 +555,10 @@ def test_a_run_split_by_two_resumes_reports_the_totals_of_its_pieces(tmp_path):
     last = summaries[-1]
     assert last["wall_time_s"] == pytest.approx(sum(s["session_wall_time_s"] for s in summaries), abs=1.0)
     assert last["llm_failures"] == failed > 2
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(run_dir)  # the counts in tensorboard go on across resumes too
+    events.Reload()
+    assert events.Scalars("llm/failures")[-1].value == failed
     labelled = open(os.path.join(run_dir, "labels.jsonl")).read().splitlines()
     assert last["llm_labels"] == len(labelled) > summaries[0]["llm_labels"] > 0
     assert last["intrinsic_max_reward"] == max(s["intrinsic_max_reward"] for s in summaries) > 0

@@ -103,6 +103,12 @@ def test_runner_commands(tmp_path, monkeypatch):
                             "--run-dir", str(out / "score_extrinsic" / "seed1")]  # default extrinsic coef
     assert "--run-dir" in calls[1] and "2000000000" in calls[1]  # summary but no checkpoint: a fresh start
 
+    # a finished run with its checkpoint is extended to --steps (the resume applies the flag: test_appo.py)
+    calls.clear()
+    (out / "free_none" / "seed1" / "checkpoint.pt").write_bytes(b"")
+    assert lc.main(["--configs", "free_none", "--seeds", "1", "--out", str(out), "--steps", "1e6"]) == 1
+    assert calls[0][1:] == ["oni_appo.py", "--resume", str(out / "free_none" / "seed1"), "--total-env-steps", "1000000"]
+
 
 def test_eval_table_and_commands(tmp_path, monkeypatch):
     """--eval: each seed dir gets evaluate.py (trained) and evaluate.py --random unless its json exists."""

@@ -683,26 +683,35 @@ def test_a_crash_of_the_trainer_thread_stops_the_learner(monkeypatch):
         model.rewards(*steps_of(STEPS))
 
 
-def test_a_resume_continues_the_reward_model_exactly():
+def test_a_resume_continues_the_reward_model_exactly(monkeypatch):
     """A resume forgave the trainer's owed steps (288 owed became 0), the labels it had not trained on yet and those
     answered after the checkpoint, restarted its sampling stream from the seed, and ranking's recent window empty."""
     records = [{"caption": f"You kill the {m}!", "label": 1} for m in MONSTERS[:4]] + [
         {"caption": f"The {m} bites!", "label": 0} for m in MONSTERS]
     model = rm.IntrinsicReward(make_args(reward_type="classification"), "cpu")
-    model.add_labels(records[:10])
+    model.add_labels(records[:8])
     assert model.piece.train_now(batch_size=8) == rm.BURST  # the first fit, published
-    model.add_labels(records[10:16])  # not trained on yet when the checkpoint is taken
-    model.piece.owed_steps, model.piece.burst = 2.5, 7  # 2.5 owed, and a burst of 7 cut short by the save
+    model.add_labels(records[8:18])  # 10 labels: 3.2 steps owed, a burst of 3 that the save cuts short
+    drawn, real_loss = [], model.piece.minibatch_loss
+
+    def stop_at_the_first_step(batch_size):
+        model.piece.stop.set()  # as close() does mid-burst
+        return real_loss(batch_size)
+    monkeypatch.setattr(model.piece, "minibatch_loss", stop_at_the_first_step)
+    assert model.piece.train_now(batch_size=8) == 1 and model.piece.burst == 3  # one step done, not published
     state = model.state_dict()
-    model.add_labels(records[16:])  # answered after the checkpoint: they come back from labels.jsonl
+    model.add_labels(records[18:])  # answered after the checkpoint: they come back from labels.jsonl
 
     resumed = rm.IntrinsicReward(make_args(reward_type="classification"), "cpu")
     resumed.add_labels(records)  # as set_up does on resume: the run's labels.jsonl first
     resumed.load_state_dict(state)
-    assert resumed.piece.owed_steps == 2.5 + 7 and resumed.piece.new_labels == len(records) - 10
-    assert resumed.piece.rng.getstate() == state["minibatch_rng"]  # the next minibatch is the one the run would draw
-    model.piece.rng.setstate(state["minibatch_rng"])  # (the run's own, had it not gone on)
-    assert [resumed.piece.rng.random() for _ in range(3)] == [model.piece.rng.random() for _ in range(3)]
+    assert resumed.piece.owed_steps == pytest.approx(3.2) and resumed.piece.new_labels == len(records) - 18
+    assert resumed.piece.model_steps == rm.BURST  # as published: the step of the cut burst is owed again
+    # the next minibatches are those the run drew after its publication
+    model.piece.rng.setstate(state["minibatch_rng"])
+    for piece in (model.piece, resumed.piece):
+        drawn.append(piece.rng.choices(piece.keys[:18], k=64))
+    assert drawn[0] == drawn[1]
 
     ranking = rm.IntrinsicReward(make_args(reward_type="ranking"), "cpu")
     for i in range(3):
@@ -760,3 +769,15 @@ def test_an_annotator_restart_asks_again_what_it_had_not_answered(tmp_path):
                 client.close()
     finally:
         fake.stop()
+
+
+def test_the_classifier_trains_only_while_its_labels_hold_both_classes():
+    """Its classes are kept as labels arrive (no scan of every label under the lock); a caption labelled again with
+    the other class must not leave a class behind that no label holds any more."""
+    model = rm.IntrinsicReward(make_args(reward_type="classification"), "cpu")
+    model.add_labels([{"caption": "It's a wall.", "label": 0}, {"caption": "You kill the newt!", "label": 0}])
+    assert not model.piece.ready()
+    model.add_labels([{"caption": "You kill the newt!", "label": 1}, {"pair": ["a", "b"], "preference": 1}])
+    assert model.piece.ready()
+    model.add_labels([{"caption": "You kill the newt!", "label": 0}])  # a re-ask answered otherwise
+    assert not model.piece.ready() and model.piece.keys == ["It's a wall.", "You kill the newt!"]

@@ -30,16 +30,13 @@ def embedded_model_path() -> str:
     return str(assemble())
 
 
-try:  # looked up here, once: a child between fork and exec must not load libraries
-    PRCTL = ctypes.CDLL(None, use_errno=True).prctl
-except (OSError, AttributeError):  # not Linux
-    PRCTL = None
+# looked up here, once: a child between fork and exec must not load libraries. None: not Linux
+PRCTL = getattr(ctypes.CDLL(None), "prctl", None) if sys.platform.startswith("linux") else None
 
 
 def die_with_parent(parent, sig=signal.SIGTERM):
-    """Linux: the kernel sends this process `sig` when the thread that started it dies, by any signal (kill -9, the
-    OOM killer, a pre-emption): a crashed trainer must leave no LLM server or Manager holding cores. `parent`: its
-    pid, to exit now if it died before the signal was set."""
+    """Linux: the kernel sends this process `sig` when the thread that started it dies, by any signal (kill -9, OOM,
+    pre-emption): no LLM server or Manager outlives a crashed trainer. If `parent` (its pid) died already: exit."""
     if PRCTL is not None:
         PRCTL(1, int(sig))  # PR_SET_DEATHSIG
         if os.getppid() != parent:

@@ -797,10 +797,8 @@ def finish(run):
     summary["mean_episode_return"] = float(np.mean([e["return"] for e in episodes])) if episodes else None
     for k in sorted({k for e in episodes for k in e} - {"return", "env_steps"}):
         summary[f"mean_{k}"] = float(np.mean([e[k] for e in episodes if k in e]))
-    labels = os.path.join(args.run_dir, annotator.LABELS_FILE)  # every answer of the run, resumed sessions' too
-    summary.update({"llm_labels": sum(1 for _ in open(labels)) if os.path.exists(labels) else 0,
-                    "llm_failures": totals["llm_failures"], "llm_parse_failures": totals["llm_parse_failures"],
-                    "annotator_restarts": totals["llm_restarts"],  # None: chat prompts, or no LLM
+    summary.update({"llm_labels": totals["llm_labels"], "llm_failures": totals["llm_failures"],
+                    "llm_parse_failures": totals["llm_parse_failures"], "annotator_restarts": totals["llm_restarts"],
                     "llm_answers_restricted": llm.get("answers_restricted"), "llm_answers_scored": llm.get("answers_scored")})
     with open(os.path.join(args.run_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)

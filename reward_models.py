@@ -412,11 +412,9 @@ class IntrinsicReward:
                 self.answered[a, b], self.answered[b, a] = preference, {1: 2, 2: 1}.get(preference)
                 drawn_again += [(a, b)] * (self.waiting.pop((a, b), 1) - 1)
             elif "caption" in record and self.piece.asks == "captions":
-                if record["label"] is None and record["caption"] not in self.piece.labels:  # asked again after RETRY_S
-                    self.asked.pop(record["caption"], None)  # (to the end: `asked` is oldest first)
+                self.asked.pop(record["caption"], None)  # answered; or asked again after RETRY_S, so last: oldest first
+                if record["label"] is None and record["caption"] not in self.piece.labels:
                     self.asked[record["caption"]] = time.time()
-                else:
-                    self.asked.pop(record["caption"], None)
         self.reuse(drawn_again)
 
     def known_keys(self) -> set[str]:  # captions answered and pairs compared: what the annotator need not ask again
@@ -472,9 +470,8 @@ class IntrinsicReward:
         self.reused.update(pairs)
         self.piece.add_labels([{"pair": list(pair), "preference": self.answered[pair]} for pair in pairs])
 
-    def unanswered(self) -> tuple[list[str], list[tuple[str, str]]]:  # for a restarted annotator: the newest, as many
-        newest = lambda table: list(itertools.islice(reversed(table), annotator.MAX_BACKLOG))[::-1]  # as it holds
-        return newest(self.asked), newest(self.waiting)
+    def unanswered(self) -> tuple[list[str], list[tuple[str, str]]]:  # for a restarted annotator: captions and pairs,
+        return tuple(list(itertools.islice(reversed(t), annotator.MAX_BACKLOG))[::-1] for t in (self.asked, self.waiting))
 
     def label_requests(self) -> tuple[list[str], list[tuple[str, str]]]:
         """What to ask the LLM now: captions new since the last call and those unanswered for RETRY_S (a full
@@ -482,11 +479,9 @@ class IntrinsicReward:
         answered yet. Each drawn pair is trained on once, so the pairs keep the steps' frequencies."""
         captions, self.to_ask, now = self.to_ask, [], time.time()
         if now - self.last_retry > RETRY_S:  # the oldest first, as many as the annotator's backlog holds beside the
-            again = []  # new ones: a sweep of 1e6 unanswered stalled the learner 1.6 s and pushed 57 MB through the queue
-            for text, at in self.asked.items():
-                if now - at <= RETRY_S or len(again) >= annotator.MAX_BACKLOG - len(captions):
-                    break
-                again.append(text)
+            # new ones: a sweep of all 1e6 unanswered stalled the learner 1.6 s and pushed 57 MB through the queue
+            waited = itertools.takewhile(lambda text: now - self.asked[text] > RETRY_S, self.asked)
+            again = list(itertools.islice(waited, max(0, annotator.MAX_BACKLOG - len(captions))))
             for text in again:  # to the end: asked now
                 del self.asked[text]
                 self.asked[text] = now

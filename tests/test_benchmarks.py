@@ -55,3 +55,18 @@ def test_label_quality_weighs_by_steps_and_keeps_the_test_split_out_of_dev():
     assert label_quality.figures(rows, [0, 0, 0, 1]) == (0.75, 0.0, 0.25)
     # pairs (helpful, unhelpful) by score: 3-(-1) and 0.2-(-1) prefer the helpful one; 0.2-0.1 is a tie
     assert label_quality.pair_figures(rows, [0.1, -1.0, 3.0, 0.2], tie_margin=0.5) == (0.75, 0.25, 0.0)
+
+
+def test_label_scale_prints_each_figure_of_each_case():
+    result = subprocess.run([sys.executable, "benchmarks/label_scale.py", "--captions", "1500", "--pairs", "300",
+                             "--http-captions", "300"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = [line.strip("|").split("|") for line in result.stdout.splitlines() if line.startswith("| ") and "figure" not in line]
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import label_scale
+    assert [(case.split()[0], label.strip()) for case, label, _ in rows] == [(c, label) for c, _, label in label_scale.ROWS]
+    figures = {(case.split()[0], label.strip()): float(value.replace(",", "")) for case, label, value in rows}
+    assert all(value >= 0 for value in figures.values())  # every figure measured, none "n/a"
+    assert figures["captions", "learner process peak RSS, MB"] > 0 and figures["http", "labels/s over HTTP (fake LLM)"] > 0
+    assert figures["unanswered", "captions it sends"] == 1550  # the synthetic captions and the 50 common ones
+    assert figures["pairs", "pairs trained on"] == 300

@@ -56,13 +56,16 @@ PROMPTS = {
 # A base model copies the labels of messages like the one asked far better than it applies a stated goal
 # (benchmarks/label_quality.py): a completion prompt shows, for each message, the labelled messages nearest to
 # it by character trigrams, DEMOS_PER_LABEL of each label, nearest last. The pool is the benchmark's dev split
-# (hand-labelled messages of recorded runs); its test split never reaches a prompt.
+# (hand-labelled messages of recorded runs); its test split never reaches a prompt. 4 rather than 2: at 2, kills
+# in the pool scored below the threshold in training ("You kill the kobold!" 0.41, "You kill the newt!" 0.81);
+# at 4 they score 1.25-1.83, the test split's helpful steps paid go 97% -> 91%, its unhelpful ones stay 0%.
 DEMOS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "benchmarks", "label_sets.tsv")
-DEMOS_PER_LABEL = 2
+DEMOS_PER_LABEL = 4
 # A base model's score of a message is logp(" Yes") - logp(" No") for the next token; helpful above THRESHOLD,
-# which pays at most 5% of the dev split's unhelpful steps (label_quality.py --calibrate). A pair is a tie when
-# its two scores are closer than TIE_MARGIN: on dev 95% of (helpful, unhelpful) pairs still prefer the helpful.
-THRESHOLD, TIE_MARGIN = 0.84, 0.5
+# which pays at most 5% of the dev split's unhelpful steps both with the message's near-copy group out of the
+# pool and with only itself out (as training asks its frequent messages), the most agreement + helpful steps
+# paid over both (label_quality.py --calibrate). A pair is a tie when its two scores are closer than TIE_MARGIN.
+THRESHOLD, TIE_MARGIN = 0.80, 0.5
 LABEL_TAG = re.compile(r"<label>\s*(FOO|BAR)\s*</label>", re.IGNORECASE)
 PREFERENCE = re.compile(r"best_description\"?\s*:\s*\"?(1|2|None)", re.IGNORECASE)
 
@@ -99,9 +102,10 @@ def load_demos(path=DEMOS_FILE) -> list:
     return [(message, int(label), trigrams(message)) for message, _, label, split, *_ in rows if split == "dev"]
 
 
-def demonstrations(caption: str, pool: list, per_label=DEMOS_PER_LABEL) -> str:
-    """The labelled messages of `pool` nearest to `caption` (cosine of trigram counts), per_label of each label,
-    the nearest last: a small model copies what it read last most."""
+def demonstrations(caption: str, pool: list, per_label=None) -> str:
+    """The labelled messages of `pool` nearest to `caption` (cosine of trigram counts), per_label (default
+    DEMOS_PER_LABEL, read at the call) of each label, the nearest last: a small model copies what it read last most."""
+    per_label = per_label or DEMOS_PER_LABEL
     grams = trigrams(caption)
     norm = sum(n * n for n in grams.values()) ** 0.5
 

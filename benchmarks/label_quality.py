@@ -2,6 +2,7 @@
 
     python benchmarks/label_quality.py                   # the embedded labeler (starts it) on the test sets
     python benchmarks/label_quality.py --calibrate --baseline  # THRESHOLD chosen on dev first; the old labeler after
+    python benchmarks/label_quality.py --calibrate --demos 3  # another number of demonstrations of each label
     python benchmarks/label_quality.py --greedy          # the embedded server without log-probabilities
     python benchmarks/label_quality.py --llm-url URL     # any OpenAI-compatible server (chat prompts too)
 
@@ -11,8 +12,10 @@ ambiguous ones left out (a pet dropping gold, a corpse, a door that opens, helpf
 `steps` sums the steps that showed a message over the runs, so the figures weigh messages as young agents see
 them. Split by near-copy group (`group`: the message with names, numbers, letters and item lists replaced, per
 sentence; a message whose sentences' groups fall on both sides is left out): no test message nor a near-copy of
-one is in the dev split, which is the annotator's demonstration pool and the only set choices are made on. On
-dev, a message's own group is left out of the pool. `old50`: the README's earlier 50 messages (GOOD, BAD), one
+one is in the dev split, which is the annotator's demonstration pool and the only set choices are made on. Dev
+is asked two ways: its own near-copy group left out of the pool (as a new message is asked), and only the message
+itself left out (as training asks its frequent messages, near-copies in the pool): the latter is printed as the
+production check, a check of the training distribution, not a test (it is the pool). `old50`: the README's earlier 50 messages (GOOD, BAD), one
 step each, none in the dev split verbatim (some have near-copies there).
 
 Figures: agreement (per distinct message), the share of unhelpful steps labelled helpful (paid), the share of
@@ -71,16 +74,19 @@ def load_sets(path=annotator.DEMOS_FILE):
     return sets
 
 
-def scores(labeler, rows, leave_group_out):
-    """Each message's score (completion prompts) or label (chat prompts), and the seconds it all took. With
-    leave_group_out (the dev split) the demonstration pool lacks the message's own near-copy group."""
+def scores(labeler, rows, leave_out=None):
+    """Each message's score (completion prompts) or label (chat prompts), and the seconds it all took. The
+    demonstration pool lacks, per message, its near-copy group (leave_out="group": dev as a new message sees it)
+    or only the message itself (leave_out="message": dev as training sees a frequent message, its near-copies in
+    the pool); the test sets are asked with the whole pool (leave_out=None), which holds none of them."""
     pool, out, start = labeler.demos if labeler.style == "completion" else [], [], time.time()
     group_of = {m: g for m, _, _, g in rows}
     for message, *_ in rows:
         if labeler.style == "chat":
             out.append(labeler.ask(message))
             continue
-        labeler.demos = [d for d in pool if not leave_group_out or group_of.get(d[0]) != group_of[message]]
+        labeler.demos = [d for d in pool if leave_out is None or d[0] != message and (
+            leave_out == "message" or group_of.get(d[0]) != group_of[message])]
         out.append(labeler.score(message, 0))
     labeler.demos = pool
     return out, time.time() - start
@@ -110,29 +116,46 @@ def pair_figures(rows, values, tie_margin):
     return right, ties, max(0.0, 1 - right - ties)
 
 
-def calibrate(labeler, dev):
-    """THRESHOLD: of those that pay at most 5% of dev's unhelpful steps (the goal; all if none does), the one with
-    the most agreement + helpful steps paid. The pairs' sweep over TIE_MARGIN is printed, to choose it by."""
-    values, _ = scores(labeler, dev, leave_group_out=True)
-    known = sorted({v for v in values if v is not annotator.UNPARSEABLE})
+def calibrate(labeler, dev, measured):
+    """THRESHOLD, from dev asked two ways: as a new message is (its near-copy group out of the pool) and as
+    training asks a frequent one (only itself out; the production check). Of the thresholds that pay at most 5% of
+    the unhelpful steps in both (the goal; all if none does), the one with the most agreement + helpful steps paid
+    summed over both: leave-group-out alone chose 0.84, above "You kill the newt!"'s 0.81 in production. The
+    pairs' sweep over TIE_MARGIN (leave-group-out) is printed, to choose it by. `measured` keeps the scores."""
+    for leave_out in ("group", "message"):
+        measured["dev", leave_out] = scores(labeler, dev, leave_out)
+    ways = [measured["dev", leave_out][0] for leave_out in ("group", "message")]
+    known = sorted({v for values in ways for v in values if v is not annotator.UNPARSEABLE})
     candidates = [(a + b) / 2 for a, b in zip(known, known[1:])]
-    results = {t: figures(dev, to_labels(labeler, values, t)) for t in candidates}
-    allowed = [t for t in candidates if results[t][1] <= 0.05] or candidates
-    threshold = max(allowed, key=lambda t: results[t][0] + results[t][2])
+    results = {t: [figures(dev, to_labels(labeler, values, t)) for values in ways] for t in candidates}
+    allowed = [t for t in candidates if all(r[1] <= 0.05 for r in results[t])] or candidates
+    threshold = max(allowed, key=lambda t: sum(r[0] + r[2] for r in results[t]))
     for t in sorted({round(t, 1) for t in candidates} | {threshold}):
-        print(f"dev: THRESHOLD {t:6.2f}: agreement {{:.0%}}, unhelpful steps paid {{:.1%}}, helpful steps paid "
-              f"{{:.0%}}".format(*figures(dev, to_labels(labeler, values, t))))
+        print(f"dev: THRESHOLD {t:6.2f}: " + "; ".join(
+            f"{way}: agreement {a:.0%}, unhelpful steps paid {u:.1%}, helpful steps paid {h:.0%}" for way, (a, u, h)
+            in zip(("group out", "message out"), (figures(dev, to_labels(labeler, v, t)) for v in ways))))
     for margin in (0.0, 0.1, 0.25, 0.5, 1.0, 2.0):
         print(f"dev: TIE_MARGIN {margin:4.2f}: pairs prefer the helpful one {{:.0%}}, ties {{:.0%}}, the other "
-              f"{{:.0%}}".format(*pair_figures(dev, values, margin)))
+              f"{{:.0%}}".format(*pair_figures(dev, ways[0], margin)))
     print(f"dev: chosen THRESHOLD {threshold:.2f}")
     return threshold
 
 
-def report(name, labeler, sets, threshold):
-    for set_name in ("test", "old50"):
-        rows = sets[set_name]
-        values, elapsed = scores(labeler, rows, leave_group_out=False)
+CHECKS = (  # (what is measured, its rows, what the pool lacks per message)
+    ("test", "test", None), ("old50", "old50", None),
+    # Not a test set (the pool labels itself): training asks its frequent messages with their near-copies in the
+    # pool, which leave-group-out dev never does; "You kill the newt!" at 0.81 passed dev and failed here.
+    ("the production check (dev, whole pool but the message: training's distribution, not a test)", "dev", "message"))
+
+
+SPOT = ("You kill the newt!", "You kill the jackal!", "You kill the kobold!")  # paid nothing at 2 demonstrations
+
+
+def report(name, labeler, sets, threshold, measured=None):
+    """The figures of each of CHECKS; `measured` holds scores already asked, by (split, leave_out)."""
+    for set_name, split, leave_out in CHECKS:
+        rows = sets[split]
+        values, elapsed = (measured or {}).get((split, leave_out)) or scores(labeler, rows, leave_out)
         labels = to_labels(labeler, values, threshold)
         agreement, unhelpful, helpful = figures(rows, labels)
         if labeler.style == "completion":  # known once the server has answered
@@ -143,6 +166,10 @@ def report(name, labeler, sets, threshold):
         if labeler.style == "completion":
             print("  pairs by score (one helpful, one not): {:.0%} prefer the helpful one, {:.0%} ties, {:.0%} "
                   "the other".format(*pair_figures(rows, values, annotator.TIE_MARGIN)))
+        if leave_out == "message" and labeler.style == "completion":  # verbatim in the pool, as training asks them
+            print("  as training asks these dev messages (the whole pool, themselves in it): " + ", ".join(
+                f"{m!r} {v if v is annotator.UNPARSEABLE else round(v, 2)}" for m, v in
+                zip(SPOT, [labeler.score(m, 0) for m in SPOT])))
         wrong = sorted(((s, m, t, y) for (m, s, t, _), y in zip(rows, labels) if y != t), reverse=True)
         for steps, message, truth, label in wrong[:12]:
             shown = "unparseable" if label is annotator.UNPARSEABLE else label
@@ -161,20 +188,24 @@ def main():
     parser.add_argument("--model", default=None, help="model name (default: the server's first)")
     parser.add_argument("--calibrate", action="store_true", help="choose THRESHOLD on the dev split first")
     parser.add_argument("--baseline", action="store_true", help="also the labeler before demonstrations and scores")
+    parser.add_argument("--demos", type=int, default=annotator.DEMOS_PER_LABEL,
+                        help="demonstrations of each label in a completion prompt (default: DEMOS_PER_LABEL)")
     parser.add_argument("--greedy", action="store_true", help="the embedded server without log-probabilities "
                         "(faster): a greedy Yes/No, the same decision at THRESHOLD, no score for pairs")
     args = parser.parse_args()
     sets = load_sets()
+    annotator.DEMOS_PER_LABEL = args.demos
     server, url = (None, args.llm_url) if args.llm_url else llm_server.start(scored=not args.greedy)
     try:
         labeler = labeler_at(url, args.model)
         mode = ("chat prompts, label parsed from the <label> tag" if labeler.style == "chat" else
                 f"completion prompts, {annotator.DEMOS_PER_LABEL} demonstrations of each label")
         print(f"model {labeler.model} at {url}: {mode}", flush=True)
-        threshold = calibrate(labeler, sets["dev"]) if args.calibrate and labeler.style == "completion" else \
-            annotator.THRESHOLD
+        measured = {}
+        threshold = calibrate(labeler, sets["dev"], measured) if args.calibrate and labeler.style == "completion" \
+            else annotator.THRESHOLD
         annotator.THRESHOLD = threshold
-        report(f"labeler (THRESHOLD {threshold:.2f})", labeler, sets, threshold)
+        report(f"labeler (THRESHOLD {threshold:.2f})", labeler, sets, threshold, measured)
     finally:
         if server is not None:
             llm_server.stop(server)

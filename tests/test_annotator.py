@@ -102,7 +102,8 @@ def test_labels_pairs_and_the_labels_file(fake, tmp_path):
         assert "answers_restricted" not in a.stats
     else:  # log-probabilities of the next token; the prompt shows the nearest labelled messages first
         assert path == "/v1/completions" and body["prompt"].endswith("\nProgress:") and body["logprobs"] == 5
-        assert body["prompt"].count("\nProgress: Yes\n") == body["prompt"].count("\nProgress: No\n") == 2
+        per_label = annotator.DEMOS_PER_LABEL
+        assert body["prompt"].count("\nProgress: Yes\n") == body["prompt"].count("\nProgress: No\n") == per_label
         assert "logit_bias" not in body and a.stats["answers_restricted"] == a.stats["answers_scored"] == 1
 
 

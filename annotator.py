@@ -56,15 +56,13 @@ PROMPTS = {
 # A base model copies the labels of messages like the one asked far better than it applies a stated goal
 # (benchmarks/label_quality.py): a completion prompt shows, for each message, the labelled messages nearest to
 # it by character trigrams, DEMOS_PER_LABEL of each label, nearest last. The pool is the benchmark's dev split
-# (hand-labelled messages of recorded runs); its test split never reaches a prompt. 4 rather than 2: at 2, kills
-# in the pool scored below the threshold in training ("You kill the kobold!" 0.41, "You kill the newt!" 0.81);
-# at 4 they score 1.25-1.83, the test split's helpful steps paid go 97% -> 91%, its unhelpful ones stay 0%.
+# (hand-labelled messages of recorded runs); its test split never reaches a prompt. 4, not 2: at 2 even kills
+# with kills in the pool scored under the threshold ("You kill the kobold!" 0.41); at 4 they score 1.25-1.83.
 DEMOS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "benchmarks", "label_sets.tsv")
 DEMOS_PER_LABEL = 4
 # A base model's score of a message is logp(" Yes") - logp(" No") for the next token; helpful above THRESHOLD,
-# which pays at most 5% of the dev split's unhelpful steps both with the message's near-copy group out of the
-# pool and with only itself out (as training asks its frequent messages), the most agreement + helpful steps
-# paid over both (label_quality.py --calibrate). A pair is a tie when its two scores are closer than TIE_MARGIN.
+# paying at most 5% of dev's unhelpful steps with the message's group, and with only itself, out of the pool (as
+# training asks), then most agreement + helpful steps (label_quality.py --calibrate). Pairs tie within TIE_MARGIN.
 THRESHOLD, TIE_MARGIN = 0.80, 0.5
 LABEL_TAG = re.compile(r"<label>\s*(FOO|BAR)\s*</label>", re.IGNORECASE)
 PREFERENCE = re.compile(r"best_description\"?\s*:\s*\"?(1|2|None)", re.IGNORECASE)

@@ -717,8 +717,7 @@ def update_policy(run, batch, rewards):
 
 
 def learned_steps(run) -> int:
-    """Env steps the policy has learned from: what a checkpoint and summary.json count, and what --total-env-steps
-    asks for. The main thread's counters["env_steps"] runs ahead by the rollouts collected and not yet learned."""
+    """Env steps learned from: what checkpoints, summary.json and --total-env-steps count (collection runs ahead)."""
     return run.counters["updates"] * run.args.batch_size
 
 

@@ -130,7 +130,7 @@ def calibrate(labeler, dev, measured):
     results = {t: [figures(dev, to_labels(labeler, values, t)) for values in ways] for t in candidates}
     allowed = [t for t in candidates if all(r[1] <= 0.05 for r in results[t])] or candidates
     threshold = max(allowed, key=lambda t: sum(r[0] + r[2] for r in results[t]))
-    for t in sorted({round(t, 1) for t in candidates} | {threshold}):
+    for t in sorted({round(t, 1) for t in candidates} | {round(threshold, 2)}):
         print(f"dev: THRESHOLD {t:6.2f}: " + "; ".join(
             f"{way}: agreement {a:.0%}, unhelpful steps paid {u:.1%}, helpful steps paid {h:.0%}" for way, (a, u, h)
             in zip(("group out", "message out"), (figures(dev, to_labels(labeler, v, t)) for v in ways))))

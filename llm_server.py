@@ -87,9 +87,8 @@ def wait_until_ready(url, process, timeout_s, log_path):
     raise SystemExit(f"error: the LLM server did not answer at {url} within {timeout_s:.0f}s")
 
 
-def start(backend="llama_cpp", model=None, host="127.0.0.1", port=None, threads=None,
-          tensor_parallel_size=1, log_path=None, timeout_s=600.0, num_workers=0, gpu_memory_utilization=0.5,
-          scored=True):
+def start(backend="llama_cpp", model=None, host="127.0.0.1", port=None, threads=None, tensor_parallel_size=1,
+          log_path=None, timeout_s=600.0, num_workers=0, gpu_memory_utilization=0.5, scored=True):
     """Start the server as a child process; returns (process, base URL) once it answers."""
     with socket.socket() as probe:
         if not port:  # a free one

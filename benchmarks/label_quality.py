@@ -4,6 +4,7 @@
     python benchmarks/label_quality.py --calibrate --baseline  # THRESHOLD chosen on dev first; the old labeler after
     python benchmarks/label_quality.py --calibrate --demos 3  # another number of demonstrations of each label
     python benchmarks/label_quality.py --greedy          # the embedded server without log-probabilities
+    python benchmarks/label_quality.py --cost 60         # score vs greedy token, side by side, on 60 test messages
     python benchmarks/label_quality.py --llm-url URL     # any OpenAI-compatible server (chat prompts too)
 
 Sets. `label_sets.tsv`: messages of this repo's recorded runs (results/**/messages.tsv), labelled by hand where
@@ -176,10 +177,31 @@ def report(name, labeler, sets, threshold, measured=None):
             print(f"    wrong: {message!r} ({steps:,} steps) expected {truth}, got {shown}")
 
 
-def labeler_at(url, model, prompts=annotator.PROMPTS):
-    labeler = annotator.Labeler([url], model, prompts, annotator.TIMEOUT_S)
+def labeler_at(url, model, prompts=annotator.PROMPTS, scored=True):
+    labeler = annotator.Labeler([url], model, prompts, annotator.TIMEOUT_S, scored)
     labeler.resolve_model()
     return labeler
+
+
+def cost(rows):
+    """What log-probabilities cost (only Ranking asks for them): two embedded servers, one with --logits_all, one
+    thread each, asked the same messages alternately; the labels should be the same."""
+    servers = [llm_server.start(scored=scored, threads=1) for scored in (True, False)]
+    try:
+        labelers = [labeler_at(url, None, scored=scored) for (_, url), scored in zip(servers, (True, False))]
+        seconds, same = [0.0, 0.0], 0
+        for message, *_ in rows:
+            labels = []
+            for i, labeler in enumerate(labelers):
+                started = time.perf_counter()
+                labels.append(labeler.ask(message))
+                seconds[i] += time.perf_counter() - started
+            same += labels[0] == labels[1]
+    finally:
+        for process, _ in servers:
+            llm_server.stop(process)
+    print(f"{len(rows)} test messages: score {seconds[0] / len(rows) * 1000:.0f} ms a label, greedy token "
+          f"{seconds[1] / len(rows) * 1000:.0f} ms ({seconds[0] / seconds[1]:.1f}x); the same label on {same}")
 
 
 def main():
@@ -192,8 +214,11 @@ def main():
                         help="demonstrations of each label in a completion prompt (default: DEMOS_PER_LABEL)")
     parser.add_argument("--greedy", action="store_true", help="the embedded server without log-probabilities "
                         "(faster): a greedy Yes/No, the same decision at THRESHOLD, no score for pairs")
+    parser.add_argument("--cost", type=int, metavar="N", help="only time score vs greedy token on N test messages")
     args = parser.parse_args()
     sets = load_sets()
+    if args.cost:
+        return cost(sets["test"][:args.cost])
     annotator.DEMOS_PER_LABEL = args.demos
     server, url = (None, args.llm_url) if args.llm_url else llm_server.start(scored=not args.greedy)
     try:

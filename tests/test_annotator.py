@@ -25,13 +25,14 @@ CAPTIONS = ["You kill the newt!", "It's a wall.", "You see here 5 gold pieces.",
 class Annotator:
     """`annotator.serve` in a thread, with a plain LabelTable and dict in place of the Manager's proxies."""
 
-    def __init__(self, url, run_dir, known=(), timeout_s=5.0, model=None, prompts=annotator.PROMPTS, concurrency=4):
+    def __init__(self, url, run_dir, known=(), timeout_s=5.0, model=None, prompts=annotator.PROMPTS, concurrency=4,
+                 scored=True):
         self.requests, self.stop = queue.Queue(), threading.Event()
         self.table, self.stats, self.concurrency = annotator.LabelTable(), {}, concurrency
         self.thread = threading.Thread(target=annotator.serve, daemon=True, kwargs=dict(
             urls=url if isinstance(url, list) else [url], model=model, prompts=prompts, concurrency=concurrency,
             run_dir=str(run_dir), known=set(known), requests=self.requests, table=self.table, stats=self.stats,
-            stop=self.stop, timeout_s=timeout_s))
+            stop=self.stop, scored=scored, timeout_s=timeout_s))
         self.thread.start()
 
     @property
@@ -523,6 +524,35 @@ def test_start_passes_threads_and_stops_the_server_when_start_up_fails(tmp_path,
     assert server.poll() is not None  # the embedded server did not outlive the failed start
     assert calls[0]["threads"] is None and calls[0]["num_workers"] == 3
     assert client.concurrency == annotator.EMBEDDED_CONCURRENCY  # what llama.cpp serves best, unless told
+
+
+@pytest.mark.parametrize("reward_type", ["retrieval", "classification", "ranking"])
+def test_only_ranking_asks_for_log_probabilities(tmp_path, capsys, monkeypatch, reward_type):
+    # Guards the ~6x cost of log-probabilities (llama.cpp's --logits_all) on reward models that use only the label.
+    fake = FakeOpenAI().start()
+    client = annotator.LabelClient(client_args(fake.url, reward_type=reward_type))
+    client.start(str(tmp_path), set())
+    records, deadline = [], time.time() + 60
+    try:
+        client.request(CAPTIONS, [])
+        while len(records) < len(CAPTIONS) and time.time() < deadline:
+            records.extend(client.new_records())
+            time.sleep(0.05)
+        stats = client.stats()
+    finally:
+        client.close()
+        fake.stop()
+    assert {r["caption"]: r["label"] for r in records} == expected_labels()  # the same labels either way
+    asked = ["logprobs" in body for path, body in fake.calls if path.endswith("/completions")]
+    assert asked and set(asked) == {reward_type == "ranking"} and stats["answers_scored"] == int(reward_type == "ranking")
+    assert "log-probabilities" not in capsys.readouterr().err  # a choice, not a server's lack: no notice
+    calls = []  # the embedded server: --logits_all only for ranking
+    monkeypatch.setattr(llm_server, "start", lambda **kw: calls.append(kw) or (None, fake.url))
+    monkeypatch.setattr(annotator.LabelClient, "launch", lambda self: None)
+    client = annotator.LabelClient(client_args(None, reward_type=reward_type))
+    client.start(str(tmp_path), set())
+    client.manager.shutdown()
+    assert calls[0]["scored"] == (reward_type == "ranking")
 
 
 def alive(pid):

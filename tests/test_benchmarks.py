@@ -70,3 +70,30 @@ def test_label_scale_prints_each_figure_of_each_case():
     assert figures["captions", "learner process peak RSS, MB"] > 0 and figures["http", "labels/s over HTTP (fake LLM)"] > 0
     assert figures["unanswered", "captions it sends"] == 1550  # the synthetic captions and the 50 common ones
     assert figures["pairs", "pairs trained on"] == 300
+
+
+def test_pipeline_ceiling_measures_the_pipeline_on_a_null_env_shaped_like_the_real_one():
+    result = subprocess.run([sys.executable, "benchmarks/pipeline_ceiling.py", "--num-workers", "1", "--num-envs-per-worker",
+                             "4", "--batch-size", "256", "--seconds", "2", "--warmup", "0.5"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    row = next(line.strip("|").split("|") for line in result.stdout.splitlines() if line.startswith("| 1x4x256 | now |"))
+    sps, process_us, main_us, learner_us, workers_us, cores, lag = (float(value.replace(",", "")) for value in row[2:])
+    assert min(sps, process_us, main_us, learner_us, cores) > 0 and workers_us >= 0 and lag >= 0  # /proc: 10 ms ticks
+    assert "ESTIMATE for 16 cores" in result.stdout
+    # the null env gives what envs.NetHackTask gives: observation keys, shapes, dtypes, the info and episode keys
+    sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
+    import envs
+    from pipeline_ceiling import NullEnv
+    task = "NetHackScoreExtendedActions-v1"
+    real, null = envs.make_env(task, seed=1, max_episode_steps=2), NullEnv(task, seed=1, max_episode_steps=2)
+    spec = {k: (space.shape, space.dtype) for k, space in real.observation_space.spaces.items()}
+    for env in (real, null):
+        obs, info = env.reset()
+        assert {k: (v.shape, v.dtype) for k, v in obs.items()} == spec and set(info) == {"message_count"}
+    real_infos = [real.step(0)[-1] for _ in range(2)]  # the second ends the episode (its time limit)
+    null_infos = [null.step(0)[-1] for _ in range(1100)]  # an end every ~1,000 steps
+    null_end = next(info for info in null_infos if "episode" in info)
+    assert set(null_infos[0]) == set(real_infos[0]) and set(null_end) == set(real_infos[1])
+    assert set(null_end["episode"]) == set(real_infos[1]["episode"])
+    real.close()

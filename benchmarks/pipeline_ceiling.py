@@ -1,0 +1,252 @@
+"""The pipeline's own ceiling: oni_appo's training loop with a null env and a policy that costs nearly nothing.
+
+    python benchmarks/pipeline_ceiling.py                                  # 2 workers x 16/64/256 envs x 3 batch sizes
+    python benchmarks/pipeline_ceiling.py --num-workers 2 16 --num-envs-per-worker 256 --batch-size 16384 --seconds 10
+    python benchmarks/pipeline_ceiling.py --baseline a1d9a83 --repeats 3     # side by side with that commit
+
+All of `oni_appo.train()` runs as in training (spawned env workers writing halves of their envs into the shared
+buffers; collect, receive, act, hand_over in the main thread; learn, next_batch, take_batch, IntrinsicReward.rewards()
+of --reward-type none, add_intrinsic_episodes and the update in the learner thread; logs, the last checkpoint) but for
+two pieces: the workers' `envs.make_env` builds `NullEnv`s, and `oni_appo.Agent` is `FreeAgent`. What is left is the
+coordination that neither a faster env nor a GPU can speed up. Each grid point is a fresh train() in a process of its
+own, measured for --seconds from --warmup seconds after its first update: env steps/s; CPU us per env step of the
+main process (all threads), of its main thread and of its learner thread, and of the env workers (all of them); the
+cores the main process kept busy; the mean policy lag (in updates) of the steps learned in that window.
+
+--baseline REV runs the same grid from a git worktree of commit REV (this script, that tree's modules), alternating
+with this tree point by point (--repeats times each), and prints both and their ratio. The ESTIMATE at the end scales
+the measured per-step costs to --cores cores with NLE at --nle-sps steps/s per worker core, its assumptions printed
+with it. On a machine shared with other work the figures are noisy.
+"""
+import argparse
+import itertools
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROLLOUT = 32  # oni_appo's default --rollout, which the grid keeps
+FIGURES = (("sps", "steps/s", "{:,.0f}"), ("process_us", "main process us/step", "{:.1f}"),
+           ("main_us", "main thread us/step", "{:.1f}"), ("learner_us", "learner us/step", "{:.1f}"),
+           ("workers_us", "workers us/step", "{:.1f}"), ("cores", "main process cores", "{:.2f}"),
+           ("lag", "policy lag", "{:.2f}"))
+
+
+class NullEnv:
+    """envs.NetHackTask at nearly no cost: its observation keys, shapes and dtypes (the arrays filled in place, as NLE
+    does), `info["message_count"]` every step, `info["episode"]` at the end, which comes every ~1,000 steps (staggered
+    by seed so that envs do not end together). Half the steps show one of 32 distinct messages, the others none, so
+    that the learner's distinct-message bookkeeping has work to do."""
+    SPEC = {"glyphs": ((21, 79), np.int16), "chars": ((21, 79), np.uint8), "colors": ((21, 79), np.uint8),
+            "blstats": ((27,), np.int64), "message": ((256,), np.uint8)}
+    MESSAGES = np.frombuffer(b"".join(f"You hear the footsteps of a guard on patrol {i}.".encode().ljust(256, b"\0")
+                                      if i % 2 else bytes(256) for i in range(64)), np.uint8).reshape(64, 256)
+    EPISODE = {"return": 0.0, "success": 0.0, "score": 0, "depth": 1, "dlvl": 1, "xlvl": 1, "gold": 0, "kills": 0,
+               "explored": 0}
+
+    def __init__(self, task, seed=0, **kwargs):
+        self.obs = {k: np.zeros(shape, dtype) for k, (shape, dtype) in self.SPEC.items()}
+        self.seed, self.length = seed, 1000 + seed % 97
+
+    def reset(self, seed=None, options=None):
+        self.steps, self.counts = 0, {}
+        return self.observe()
+
+    def step(self, action):
+        self.steps += 1
+        obs, info = self.observe()
+        if self.steps >= self.length:
+            info["episode"] = dict(self.EPISODE, steps=self.steps)
+        return obs, 0.0, self.steps >= self.length, False, info
+
+    def observe(self):
+        m = (self.seed + 7 * self.steps) % len(self.MESSAGES)
+        self.obs["message"][:] = self.MESSAGES[m]
+        self.counts[m] = self.counts.get(m, 0) + 1
+        return self.obs, {"message_count": self.counts[m]}
+
+    def close(self):
+        pass
+
+
+class FreeAgent(nn.Module):
+    """oni_appo.Agent's interface (step, unroll, gru.hidden_size) at nearly no cost: the logits and the value are two
+    parameters, whatever the observation, and the GRU state passes through."""
+
+    def __init__(self):
+        import envs  # the measured tree's (on sys.path by now)
+        super().__init__()
+        self.logits, self.value = nn.Parameter(torch.zeros(len(envs.ACTIONS))), nn.Parameter(torch.zeros(()))
+        self.gru = SimpleNamespace(hidden_size=512)  # the state size oni_appo's buffers keep h0 in
+
+    def step(self, obs, h):  # repeat, not expand: a view of a parameter, even under no_grad, would carry its graph
+        return self.logits.repeat(len(h), 1), self.value.repeat(len(h)), h  # into the buffers (as act's log-probs)
+
+    def unroll(self, obs, h0, cuts):
+        steps, batch = obs["chars"].shape[:2]
+        return self.logits.repeat(steps, batch, 1), self.value.repeat(steps, batch)
+
+
+def null_env_worker(*args):
+    """The target of each spawned worker: oni_appo's own env_worker, in a process where envs.make_env builds NullEnvs.
+    A patch in the parent does not reach a spawned process; this function, pickled by name, runs in it."""
+    import envs
+    import oni_appo
+    envs.make_env = NullEnv
+    oni_appo.env_worker(*args)
+
+
+def process_cpu_s(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        utime, stime = f.read().rsplit(")", 1)[1].split()[11:13]
+    return (int(utime) + int(stime)) / os.sysconf("SC_CLK_TCK")
+
+
+def measure(workers, envs_per_worker, batch_size, opts):
+    """One grid point: oni_appo.train() in this process with NullEnv and FreeAgent; returns its figures."""
+    if opts["threads"]:
+        torch.set_num_threads(opts["threads"])
+    import oni_appo
+    thread_cpu = lambda ident: time.clock_gettime(time.pthread_getcpuclockid(ident))
+    idents, figures, collect, learn = {}, {}, oni_appo.collect, oni_appo.learn
+
+    def snapshot(run):
+        return np.array([time.perf_counter(), run.counters["env_steps"], run.sums["lag_sum"], run.sums["lag_steps"],
+                         time.process_time(), thread_cpu(idents["main"]), thread_cpu(idents["learner"]),
+                         sum(process_cpu_s(p.pid) for p in multiprocessing.active_children())])
+
+    def window(run):  # steady state: from --warmup seconds after the first update, for --seconds
+        while run.counters["updates"] < 1 and not run.stop.wait(0.05):
+            pass
+        time.sleep(opts["warmup"])
+        first = snapshot(run)
+        time.sleep(opts["seconds"])
+        wall, steps, lag_sum, lag_steps, process, main, learner, workers_cpu = snapshot(run) - first
+        run.stop.set()
+        us = lambda seconds: 1e6 * seconds / max(steps, 1)
+        figures.update(sps=steps / wall, process_us=us(process), main_us=us(main), learner_us=us(learner),
+                       workers_us=us(workers_cpu), cores=process / wall, lag=lag_sum / lag_steps if lag_steps else None)
+
+    def learn_here(run):
+        idents["learner"] = threading.get_ident()
+        learn(run)
+
+    def collect_here(run, conns):
+        idents["main"] = threading.get_ident()
+        threading.Thread(target=window, args=(run,), daemon=True).start()
+        collect(run, conns)
+
+    oni_appo.Agent, oni_appo.env_worker = FreeAgent, null_env_worker
+    oni_appo.collect, oni_appo.learn = collect_here, learn_here
+    with tempfile.TemporaryDirectory(prefix="pipeline-ceiling-") as run_dir:
+        oni_appo.train(oni_appo.parse_args([
+            "--reward-type", "none", "--num-workers", str(workers), "--num-envs-per-worker", str(envs_per_worker),
+            "--batch-size", str(batch_size), "--rollout", str(ROLLOUT), "--device", opts["device"],
+            "--checkpoint-every-s", "1e9", "--run-dir", run_dir]))
+    return figures
+
+
+def run_point(tree, point, opts):
+    command = [sys.executable, os.path.abspath(__file__), "--measure", json.dumps([tree, *point, opts])]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=tree)
+    if result.returncode:
+        raise SystemExit(f"error: {point} on {tree} failed:\n{result.stderr[-3000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def show(value, form):
+    return "n/a" if value is None else form.format(value)
+
+
+def mean(runs, key):
+    values = [r[key] for r in runs if r[key] is not None]
+    return sum(values) / len(values) if values else None
+
+
+def estimate(point, figures, args):
+    """Steps/s on --cores cores, the lesser of what the env workers and what the main process can do; and the policy
+    lag: the measured one plus the added workers' steps in flight (half a rollout each, on average) over the batch."""
+    workers, envs_per_worker, batch_size = point
+    worker_sps = (args.cores - 1) * 1e6 / (1e6 / args.nle_sps + figures["workers_us"])
+    main_sps = 1e6 / (figures["main_us"] + figures["learner_us"])
+    added = ROLLOUT * (args.cores - 1 - workers) * envs_per_worker / (2 * batch_size)
+    return worker_sps, main_sps, min(worker_sps, main_sps), None if figures["lag"] is None else figures["lag"] + added
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--num-workers", type=int, nargs="+", default=[2])
+    parser.add_argument("--num-envs-per-worker", type=int, nargs="+", default=[16, 64, 256])
+    parser.add_argument("--batch-size", type=int, nargs="+", default=[1024, 4096, 16384],
+                        help="points where it is no multiple of rollout * envs per worker / 2 are skipped")
+    parser.add_argument("--seconds", type=float, default=5.0, help="measured seconds per point")
+    parser.add_argument("--warmup", type=float, default=1.0, help="seconds after the first update before measuring")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads of the main process (default: torch's)")
+    parser.add_argument("--device", default="cpu", help="oni_appo's --device (cuda: the copies to the GPU count)")
+    parser.add_argument("--baseline", default=None, help="a commit to measure side by side (a git worktree)")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each tree per point (figures: their mean)")
+    parser.add_argument("--cores", type=int, default=16, help="cores of the machine the ESTIMATE is for")
+    parser.add_argument("--nle-sps", type=float, default=16_000, help="NLE steps/s of one worker core, for the ESTIMATE")
+    parser.add_argument("--measure", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.measure:
+        tree, *point, opts = json.loads(args.measure)
+        sys.path.insert(0, tree)
+        print(json.dumps(measure(*point, opts)))
+        return
+    trees = {"now": ROOT}
+    if args.baseline:
+        tree = os.path.join(tempfile.gettempdir(), f"oni-baseline-{args.baseline}")  # shared with the other benchmarks
+        if not os.path.exists(tree):
+            subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", tree, args.baseline], check=True,
+                           capture_output=True)
+        trees = {f"before ({args.baseline})": tree, "now": ROOT}
+    grid = [p for p in itertools.product(args.num_workers, args.num_envs_per_worker, args.batch_size)
+            if p[2] % (ROLLOUT * p[1] // 2) == 0]
+    opts = {k: getattr(args, k) for k in ("seconds", "warmup", "threads", "device")}
+    print(f"{os.cpu_count()} cores; null env, free policy, --reward-type none, rollout {ROLLOUT}; "
+          f"{args.seconds:g} s a point; grid (workers x envs per worker x batch): "
+          + ", ".join("x".join(map(str, p)) for p in grid), flush=True)
+    results = {}
+    for point, _, (name, tree) in itertools.product(grid, range(args.repeats), trees.items()):  # trees alternate
+        figures = run_point(tree, point, opts)
+        results.setdefault((point, name), []).append(figures)
+        print(f"  {'x'.join(map(str, point)):12s} {name:18s} " +
+              " ".join(f"{k}={show(figures[k], form)}" for k, _, form in FIGURES), flush=True)
+    print("\n| workers x envs x batch | tree | " + " | ".join(label for _, label, _ in FIGURES) + " |\n|---|---|"
+          + "---|" * len(FIGURES))
+    means = {key: {k: mean(runs, k) for k, _, _ in FIGURES} for key, runs in results.items()}
+    for point in grid:
+        label = "x".join(map(str, point))
+        for name in trees:
+            print(f"| {label} | {name} | " + " | ".join(show(means[point, name][k], form) for k, _, form in FIGURES) + " |")
+        if args.baseline:
+            before, now = (means[point, name] for name in trees)
+            print(f"| {label} | now / before | " + " | ".join(
+                show(now[k] / before[k] if now[k] and before[k] else None, "{:.2f}") for k, _, _ in FIGURES) + " |")
+    print(f"\nESTIMATE for {args.cores} cores, not a measurement. Assumes: {args.cores - 1} env workers, one core each, "
+          f"NLE at {args.nle_sps:,.0f} steps/s per core plus the workers' measured us/step; one core left for the main "
+          "process, whose main and learner threads run one at a time (one GIL), at their measured us/step; host cores "
+          "as fast as this machine's; per-step costs as measured here with fewer workers; the policy's own time (a "
+          "real network's inference and update, on a GPU or not) not counted; the learner keeps up, so the lag only "
+          "grows by the added workers' steps in flight.")
+    print("\n| workers x envs x batch | tree | env workers' bound | main process bound | estimate steps/s | policy lag |"
+          "\n|---|---|---|---|---|---|")
+    for (point, name), figures in means.items():
+        *bounds, lag = estimate(point, figures, args)
+        print(f"| {args.cores - 1}x{point[1]}x{point[2]} (measured at {point[0]} workers) | {name} | "
+              + " | ".join(f"{b:,.0f}" for b in bounds) + f" | {show(lag, '{:.1f}')} |")
+
+
+if __name__ == "__main__":
+    main()

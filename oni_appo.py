@@ -164,8 +164,7 @@ class Agent(nn.Module):
         """obs: chars/colors [N,21,79] uint8, blstats [N,27], message [N,256] -> [N, hidden]."""
         chars, colors, blstats = obs["chars"].long(), obs["colors"].long(), obs["blstats"].float()
         n, pad = chars.shape[0], CROP // 2
-        x = blstats[:, envs.X].long().clamp(0, 78) + pad  # positions in the padded map
-        y = blstats[:, envs.Y].long().clamp(0, 20) + pad
+        x, y = blstats[:, envs.X].long().clamp(0, 78) + pad, blstats[:, envs.Y].long().clamp(0, 20) + pad  # padded map
         offsets = torch.arange(-pad, CROP - pad, device=chars.device)
         rows, cols = (y[:, None] + offsets)[:, :, None], (x[:, None] + offsets)[:, None, :]
         batch = torch.arange(n, device=chars.device)[:, None, None]
@@ -188,8 +187,7 @@ class Agent(nn.Module):
         for t in range(steps):
             h = self.gru(features[t], h if t == 0 else h * (~cuts[t - 1]).float()[:, None])
             outputs.append(h)
-        out = torch.stack(outputs)
-        return self.actor(out), self.critic(out).squeeze(-1)
+        return self.actor(out := torch.stack(outputs)), self.critic(out).squeeze(-1)
 
 
 def vtrace(rewards, values, bootstrap, discounts, rhos, cs):
@@ -201,8 +199,7 @@ def vtrace(rewards, values, bootstrap, discounts, rhos, cs):
     for t in reversed(range(values.shape[0])):
         acc = deltas[t] + discounts[t] * cs[t] * acc
         vs[t] = values[t] + acc
-    vs_next = torch.cat([vs[1:], bootstrap[None]])
-    return vs, rhos * (rewards + discounts * vs_next - values)
+    return vs, rhos * (rewards + discounts * torch.cat([vs[1:], bootstrap[None]]) - values)
 
 
 def vtrace_targets(end, rewards, values, ratio, gamma):

@@ -151,6 +151,36 @@ def test_messages_tsv_counts_steps_and_what_each_message_paid(tmp_path):
                         ["It's a wall.", "2", "0", "0.0000", "0.0000"]]
 
 
+def test_message_counts_hold_no_object_the_garbage_collector_walks_and_old_checkpoints_load(tmp_path):
+    """Guards: a [steps, paid] list a message made every full GC pass walk 1e6 lists at paper scale (0.2-0.3 s pauses
+    of the learner); the counts are now two dicts of numbers: a new message adds no object the collector tracks."""
+    import gc
+    model = rm.IntrinsicReward(make_args(reward_type="retrieval", intrinsic_coef=1.0, extrinsic_coef=0.0), "cpu")
+    model.add_labels([{"caption": "You kill the newt!", "label": 1}])
+    texts = ["You kill the newt!", "It's a wall.", ""]
+    model.rewards(torch.zeros(3, 1), rm.to_rows(texts).view(3, 1, 256), torch.ones(3, 1, dtype=torch.int32),
+                  torch.zeros(3, 1, dtype=torch.bool))
+    many = [f"You see here {i} gold pieces." for i in range(2000)]
+    gc.collect()
+    before = len(gc.get_objects())
+    model.rewards(torch.zeros(2000, 1), rm.to_rows(many).view(2000, 1, 256), torch.ones(2000, 1, dtype=torch.int32),
+                  torch.zeros(2000, 1, dtype=torch.bool))
+    gc.collect()
+    assert len(gc.get_objects()) - before < 100 and len(model.seen) == 2003  # a list a message: 2,000 more
+    for text in many:
+        del model.seen[text], model.paid[text]
+    assert model.seen == {t: 1 for t in texts} and model.paid == {"You kill the newt!": 1.0, "It's a wall.": 0.0, "": 0.0}
+    model.write_messages(tmp_path / "now.tsv")
+    state = model.state_dict()
+    state["seen"] = {t: [model.seen[t], model.paid[t]] for t in model.seen}  # a checkpoint from before 2026-11-25
+    del state["paid"]
+    old = rm.IntrinsicReward(make_args(reward_type="retrieval", intrinsic_coef=1.0, extrinsic_coef=0.0), "cpu")
+    old.add_labels([{"caption": "You kill the newt!", "label": 1}])
+    old.load_state_dict(state)
+    old.write_messages(tmp_path / "old.tsv")
+    assert (tmp_path / "old.tsv").read_text() == (tmp_path / "now.tsv").read_text()
+
+
 def test_a_labelled_caption_answered_unparseable_later_is_not_asked_again():
     model = rm.IntrinsicReward(make_args(reward_type="retrieval"), "cpu")
     model.add_labels([{"caption": "You kill the newt!", "label": 1}, {"caption": "You kill the newt!", "label": None},
@@ -535,6 +565,21 @@ def test_a_pair_drawn_again_before_its_answer_is_asked_once_and_trained_on_every
     resumed.add_labels([answer])  # on resume the LLM's one answer comes back from labels.jsonl...
     resumed.load_state_dict(model.state_dict())  # ...and its 23 reuses from the checkpoint
     assert sorted(resumed.piece.pairs) == sorted(model.piece.pairs)
+
+
+def test_pairs_waiting_for_an_answer_are_bounded_oldest_dropped(monkeypatch):
+    """Guards: with an LLM far behind, ranking remembered every pair asked and unanswered (unbounded at paper scale);
+    now 10 annotator backlogs' worth, the oldest dropped. A dropped pair answered later is trained on once."""
+    monkeypatch.setattr(annotator, "MAX_BACKLOG", 5)
+    model = rm.IntrinsicReward(make_args(reward_type="ranking"), "cpu")
+    model.pair_pool = [f"message {i}" for i in range(1000)]
+    asked = []
+    for _ in range(20):
+        model.batches_to_pair = 1
+        asked += model.label_requests()[1]
+    assert len(asked) == 160 and len(model.waiting) == 50 and list(model.waiting) == asked[-50:]
+    model.add_labels([{"pair": list(asked[0]), "preference": 1}])  # dropped long ago, answered now
+    assert model.piece.pairs == [(*asked[0], 1.0)]
 
 
 def test_every_caption_seen_is_labelled_after_the_backlog_overflowed(tmp_path, monkeypatch):

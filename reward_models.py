@@ -498,18 +498,18 @@ class IntrinsicReward:
             del self.waiting[pair]  # the oldest, long out of the annotator's backlog (drawn again, asked again)
         return captions, list(dict.fromkeys(asked))
 
-    def state_dict(self) -> dict:
-        return {"pair_pool": self.pair_pool, "pool_offers": self.pool_offers, "steps_seen": self.steps_seen,
-                "rng": self.rng.getstate(), "seen": self.seen, "paid": self.paid, "reused": dict(self.reused), **self.piece.state_dict()}
+    def state_dict(self) -> dict:  # the counts as arrays: 0.8 s to save at 1e6 messages, 2 s as two dicts
+        return {"pair_pool": self.pair_pool, "pool_offers": self.pool_offers, "steps_seen": self.steps_seen, "rng":
+                self.rng.getstate(), "reused": dict(self.reused), **self.piece.state_dict(), "seen": (
+                (texts := list(self.seen)), np.fromiter(self.seen.values(), np.int64), np.array([self.paid[t] for t in texts]))}
 
     def load_state_dict(self, state):
         if state:
             self.pair_pool, self.pool_offers, self.steps_seen = state["pair_pool"], state["pool_offers"], state["steps_seen"]
             self.rng.setstate(state["rng"])
-            seen = state.get("seen", {})  # (checkpoints before 2026-11-25: message -> [steps, paid])
-            old = seen and isinstance(next(iter(seen.values())), list)
-            self.seen = collections.Counter({t: v[0] for t, v in seen.items()} if old else seen)
-            self.paid = collections.Counter({t: v[1] for t, v in seen.items()} if old else state.get("paid", {}))
+            seen = state.get("seen", {})  # (texts, steps, paid); in checkpoints before 2026-11-25 {text: [steps, paid]}
+            texts, *counts = seen if isinstance(seen, tuple) else (list(seen), *zip(*seen.values())) if seen else ([], [], [])
+            self.seen, self.paid = (collections.Counter(dict(zip(texts, np.asarray(c).tolist()))) for c in counts)
             reused = collections.Counter(state.get("reused", {})).elements()  # their answers came back before
             self.reuse([pair for pair in reused if pair in self.answered])  # (one lost in a crash: not trained on)
             self.piece.load_state_dict({**state, "seen": self.seen})

@@ -172,8 +172,8 @@ def test_message_counts_hold_no_object_the_garbage_collector_walks_and_old_check
     assert model.seen == {t: 1 for t in texts} and model.paid == {"You kill the newt!": 1.0, "It's a wall.": 0.0, "": 0.0}
     model.write_messages(tmp_path / "now.tsv")
     state = model.state_dict()
+    assert isinstance(state["seen"][1], np.ndarray)  # arrays: a tenth of the objects to pickle
     state["seen"] = {t: [model.seen[t], model.paid[t]] for t in model.seen}  # a checkpoint from before 2026-11-25
-    del state["paid"]
     old = rm.IntrinsicReward(make_args(reward_type="retrieval", intrinsic_coef=1.0, extrinsic_coef=0.0), "cpu")
     old.add_labels([{"caption": "You kill the newt!", "label": 1}])
     old.load_state_dict(state)
@@ -617,6 +617,8 @@ def test_every_caption_seen_is_labelled_after_the_backlog_overflowed(tmp_path, m
 def assert_same(a, b):
     if isinstance(a, torch.Tensor):
         assert torch.equal(a, b)
+    elif isinstance(a, np.ndarray):
+        assert np.array_equal(a, b)
     elif isinstance(a, dict):
         assert a.keys() == b.keys()
         for key in a:

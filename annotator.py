@@ -80,8 +80,7 @@ def parse_preference(text: str):
     return UNPARSEABLE if not answers else None if answers[-1].lower() == "none" else int(answers[-1])
 
 
-def parse_choice(text: str, options: dict):
-    """A completion's one-token answer: options maps an answer (lower case) to its value."""
+def parse_choice(text: str, options: dict):  # a completion's one-token answer; options: answer (lower case) -> value
     return options.get((text or "").strip().lower(), UNPARSEABLE)
 
 
@@ -195,7 +194,8 @@ class Labeler:
                 if None not in self.token_ids.values():
                     break
             self.restricted = None not in self.token_ids.values()
-            if not self.restricted:
+            if not self.restricted:  # then a greedy token cannot carry THRESHOLD: scores, where the server has them
+                self.scored = None
                 print("annotator: the server did not tokenize ' Yes'/' No': answers are not restricted to them",
                       file=sys.stderr, flush=True)
             self.demos = load_demos()
@@ -366,7 +366,7 @@ def serve(*, urls, model, prompts, concurrency, run_dir, known, requests, table,
                 continue
             pause_s[server] = 1.0
             latencies.append(time.time() - started)
-            if labeler.scored is not None:
+            if scored and labeler.scored is not None:  # (greedy by choice: no figure)
                 counts["answers_scored"] = int(labeler.scored)
             if answer is UNPARSEABLE:
                 counts["parse_failures"] += 1

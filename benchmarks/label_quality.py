@@ -185,7 +185,7 @@ def labeler_at(url, model, prompts=annotator.PROMPTS, scored=True):
 
 def cost(rows):
     """What log-probabilities cost (only Ranking asks for them): two embedded servers, one with --logits_all, one
-    thread each, asked the same messages alternately; the labels should be the same."""
+    thread each, asked each message in turn (the scored one first); the labels should be the same."""
     servers = [llm_server.start(scored=scored, threads=1) for scored in (True, False)]
     try:
         labelers = [labeler_at(url, None, scored=scored) for (_, url), scored in zip(servers, (True, False))]
@@ -217,12 +217,12 @@ def main():
     parser.add_argument("--cost", type=int, metavar="N", help="only time score vs greedy token on N test messages")
     args = parser.parse_args()
     sets = load_sets()
+    annotator.DEMOS_PER_LABEL = args.demos
     if args.cost:
         return cost(sets["test"][:args.cost])
-    annotator.DEMOS_PER_LABEL = args.demos
     server, url = (None, args.llm_url) if args.llm_url else llm_server.start(scored=not args.greedy)
     try:
-        labeler = labeler_at(url, args.model)
+        labeler = labeler_at(url, args.model, scored=not args.greedy)
         mode = ("chat prompts, label parsed from the <label> tag" if labeler.style == "chat" else
                 f"completion prompts, {annotator.DEMOS_PER_LABEL} demonstrations of each label")
         print(f"model {labeler.model} at {url}: {mode}", flush=True)

@@ -92,7 +92,8 @@ class FakeOpenAI:
                     if request.get("logprobs") and fake.logprobs == "error":
                         return self.reply(500, {"error": {"message": "logprobs is not supported for models created "
                                                                     "with logits_all=False"}})
-                    return self.reply(200, fake.completion(request["prompt"], request.get("logprobs")))
+                    return self.reply(200, fake.completion(request["prompt"], request.get("logprobs"),
+                                                           request.get("logit_bias")))
                 self.reply(200, fake.chat(request["messages"][-1]["content"]))
 
         self.server = Server(("127.0.0.1", self.port), Handler)
@@ -104,12 +105,14 @@ class FakeOpenAI:
         self.server.shutdown()
         self.server.server_close()
 
-    def completion(self, prompt, logprobs=None):
+    def completion(self, prompt, logprobs=None, logit_bias=None):
+        """The greedy token is the most likely after logit_bias, as llama.cpp and vLLM choose it."""
         caption = re.findall(r"^Message: (.*)$", prompt, re.M)[-1]
         margin = self.margins.get(caption, 2.0 if good(caption) else -2.0)
-        token = " banana" if self.mode == "garbage" else " Yes" if good(caption) else " No"
         top = ({" banana": -0.1, " apple": -3.0} if self.mode == "garbage" else
                {" Yes": -1.0 + margin / 2, " No": -1.0 - margin / 2, " banana": -9.0})
+        bias = {word: (logit_bias or {}).get(str(ids[-1]), 0.0) for word, ids in TOKENS.items()}
+        token = max(top, key=lambda word: top[word] + bias.get(word, 0.0))
         scored = {"tokens": [token], "token_logprobs": [top.get(token)], "top_logprobs": [
             dict(sorted(top.items(), key=lambda kv: -kv[1])[:logprobs])], "text_offset": [len(prompt)]}
         return {"id": "cmpl-fake", "object": "text_completion", "created": 0, "model": self.model,

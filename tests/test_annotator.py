@@ -526,10 +526,24 @@ def test_start_passes_threads_and_stops_the_server_when_start_up_fails(tmp_path,
     assert client.concurrency == annotator.EMBEDDED_CONCURRENCY  # what llama.cpp serves best, unless told
 
 
+def test_a_label_from_a_server_that_cannot_restrict_the_answer_still_keeps_the_threshold(tmp_path):
+    """Guards: without ' Yes'/' No' token ids no logit bias can carry THRESHOLD, so a greedy label would be argmax
+    (threshold 0): a label is then read from the scores even where only the label is wanted."""
+    fake = FakeOpenAI().start()
+    fake.tokenize_fails, fake.margins = 10**6, {"You kill the grid bug!": annotator.THRESHOLD / 2}
+    a = Annotator(fake.url, tmp_path, scored=False)
+    a.send(CAPTIONS)
+    assert a.wait_for(lambda: len(a.labels) == len(CAPTIONS))
+    a.close()
+    fake.stop()
+    assert a.labels == {**expected_labels(), "You kill the grid bug!": 0} and a.stats["answers_restricted"] == 0
+
+
 @pytest.mark.parametrize("reward_type", ["retrieval", "classification", "ranking"])
 def test_only_ranking_asks_for_log_probabilities(tmp_path, capsys, monkeypatch, reward_type):
     # Guards the ~6x cost of log-probabilities (llama.cpp's --logits_all) on reward models that use only the label.
     fake = FakeOpenAI().start()
+    fake.margins = {"You kill the grid bug!": annotator.THRESHOLD / 2}  # the likelier answer, yet under THRESHOLD
     client = annotator.LabelClient(client_args(fake.url, reward_type=reward_type))
     client.start(str(tmp_path), set())
     records, deadline = [], time.time() + 60
@@ -542,9 +556,9 @@ def test_only_ranking_asks_for_log_probabilities(tmp_path, capsys, monkeypatch, 
     finally:
         client.close()
         fake.stop()
-    assert {r["caption"]: r["label"] for r in records} == expected_labels()  # the same labels either way
+    assert {r["caption"]: r["label"] for r in records} == {**expected_labels(), "You kill the grid bug!": 0}  # either way
     asked = ["logprobs" in body for path, body in fake.calls if path.endswith("/completions")]
-    assert asked and set(asked) == {reward_type == "ranking"} and stats["answers_scored"] == int(reward_type == "ranking")
+    assert asked and set(asked) == {reward_type == "ranking"} and stats.get("answers_scored") == (1 if reward_type == "ranking" else None)
     assert "log-probabilities" not in capsys.readouterr().err  # a choice, not a server's lack: no notice
     calls = []  # the embedded server: --logits_all only for ranking
     monkeypatch.setattr(llm_server, "start", lambda **kw: calls.append(kw) or (None, fake.url))

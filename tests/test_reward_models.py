@@ -580,6 +580,14 @@ def test_pairs_waiting_for_an_answer_are_bounded_oldest_dropped(monkeypatch):
     assert len(asked) == 160 and len(model.waiting) == 50 and list(model.waiting) == asked[-50:]
     model.add_labels([{"pair": list(asked[0]), "preference": 1}])  # dropped long ago, answered now
     assert model.piece.pairs == [(*asked[0], 1.0)]
+    oldest = next(iter(model.waiting))  # drawn again: asked again, and the last to go
+    model.pair_pool, model.batches_to_pair = [*oldest] * 2, 1
+    model.label_requests()
+    model.pair_pool = [f"message {i}" for i in range(1000)]
+    for _ in range(6):
+        model.batches_to_pair = 1
+        model.label_requests()
+    assert len(model.waiting) == 50 and oldest in model.waiting
 
 
 def test_every_caption_seen_is_labelled_after_the_backlog_overflowed(tmp_path, monkeypatch):

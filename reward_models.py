@@ -441,7 +441,7 @@ class IntrinsicReward:
             self.steps_seen, self.batches_to_pair = self.steps_seen + len(inverse), self.batches_to_pair + 1
         paid_per_message = np.bincount(inverse, weights=paid.flatten().cpu().numpy(), minlength=len(texts))
         for text, n, total in zip(texts, steps.tolist(), paid_per_message.tolist()):  # for messages.tsv: numbers, not
-            self.seen[text], self.paid[text] = self.seen[text] + n, self.paid[text] + total  # a list a message for GC
+            self.seen[text], self.paid[text] = self.seen.get(text, 0) + n, self.paid.get(text, 0.0) + total  # a list a message
         stats = {"mean_reward": paid.mean().item(), "max_reward": paid.max().item(),
                  "rewarded_steps": (paid != 0).float().mean().item(), "unique_messages": len(texts)}
         if terminal.any():  # deaths and successes: scored with their own last message

@@ -101,9 +101,11 @@ def start(backend="llama_cpp", model=None, host="127.0.0.1", port=None, threads=
     if log_path is None:  # keep the output somewhere, so a failed start can say why
         log_path = tempfile.NamedTemporaryFile(prefix="llm_server-", suffix=".log", delete=False).name
     log = open(log_path, "a")
-    # its own session: a Ctrl-C meant for the trainer must not kill the server under it
+    # its own session: a Ctrl-C meant for the trainer must not kill the server under it. The trainer's death kills
+    # llama.cpp (SIGTERM waited ~10 s on requests a dead annotator had in flight) and stops vLLM, which has children
+    sig = signal.SIGKILL if backend == "llama_cpp" else signal.SIGTERM
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                               preexec_fn=functools.partial(die_with_parent, os.getpid()))
+                               preexec_fn=functools.partial(die_with_parent, os.getpid(), sig))
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}/v1"
     wait_until_ready(url, process, timeout_s, log_path)
     return process, url

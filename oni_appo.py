@@ -15,7 +15,6 @@ import math
 import multiprocessing.connection
 import os
 import queue
-import random
 import signal
 import sys
 import threading
@@ -482,7 +481,6 @@ def train(args):
 
 def set_up(args) -> Run:
     os.makedirs(args.run_dir, exist_ok=True)
-    random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
     device = pick_device(args.device)

@@ -1,6 +1,6 @@
 """The annotator: a subprocess that asks OpenAI-compatible LLM servers about the agent's messages.
 
-Captions and pairs come from the learner on a queue into a bounded backlog, asked newest first; each answer goes
+Captions and pairs come from the learner on a queue into a bounded backlog, asked oldest first; each answer goes
 to `labels.jsonl` and to a LabelTable in a `multiprocessing.Manager`, which the learner reads in bulk. A server
 that is down, slow or dies never blocks training; an error that retrying cannot fix stops the run."""
 import collections
@@ -316,10 +316,10 @@ def serve(*, urls, model, prompts, concurrency, run_dir, known, requests, table,
     def enqueue(item):
         key = item_key(item)
         if key and key not in done and key not in backlog and key not in asking:
-            if len(backlog) >= MAX_BACKLOG:  # the oldest goes: the learner asks again what stays unlabelled
-                backlog.popitem(last=False)
+            if len(backlog) < MAX_BACKLOG:
+                backlog[key] = item
+            else:  # full: the new one waits, the learner asks again what stays unlabelled
                 counts["dropped"] += 1
-            backlog[key] = item
 
     def failed(server, error, started):  # down, 5xx, timeout: that server pauses, twice as long each time; else fatal
         nonlocal fatal
@@ -350,7 +350,7 @@ def serve(*, urls, model, prompts, concurrency, run_dir, known, requests, table,
         while labeler.style and ready and backlog and len(in_flight) < concurrency:
             server = min(ready, key=busy.__getitem__)  # an even spread; a slower server gets fewer
             busy[server] += 1
-            item = backlog.popitem()[1]  # newest first
+            item = backlog.popitem(last=False)[1]  # oldest first: the first messages seen are those seen most
             in_flight[pool.submit(labeler.ask, item, server)] = (item, server, time.time())
             asking.add(item_key(item))
         answered = []

@@ -258,6 +258,20 @@ def test_known_captions_are_not_asked_again_and_the_backlog_is_bounded(fake, tmp
     assert b.stats["backlog"] + b.stats["in_flight"] <= 3
 
 
+def test_the_backlog_is_asked_oldest_first(tmp_path):
+    """Guards: asked newest first, a backlog that never empties (the embedded labeler behind the agent's stream of new
+    messages) never reached its first captions: "It's a wall.", on 22% of a 1M-step run's steps, went unlabelled."""
+    fake = FakeOpenAI().start()
+    fake.delay = 0.05
+    a = Annotator(fake.url, tmp_path, concurrency=1)
+    captions = ["It's a wall."] + [f"You see here {i} gold pieces." for i in range(9)]
+    a.send(captions)
+    assert a.wait_for(lambda: len(a.log) == len(captions))
+    a.close()
+    fake.stop()
+    assert [r["caption"] for r in a.log] == captions
+
+
 @pytest.mark.parametrize("text,label", [
     ("The newt is weak. <label>FOO</label>", 1),
     ("Answer FOO/BAR inside the tag... <label> bar </label>", 0),

@@ -691,12 +691,11 @@ def take_batch(run, ids):
     batch = {k: rollouts[k].to(run.device) for k in ("action", "logprob", "end", "reward", "step_count")}
     batch["obs"] = {k: rollouts[k].to(run.device) for k in OBS_FIELDS}
     batch["h0"] = run.buffers["h0"][index].flatten(0, 1).to(run.device)
-    step_message = rollouts["step_message"]  # stays on the CPU: the reward finds its distinct messages there
     env_ids = np.concatenate([run.buffer_slot[b] * run.envs_per_slot + np.arange(run.envs_per_slot) for b in ids])
     lag = run.counters["updates"] - run.buffers["version"][index].float()
     for b in ids:
         run.free.put(b)
-    return batch, step_message, env_ids, lag
+    return batch, rollouts["step_message"], env_ids, lag  # the messages stay on the CPU: np.unique finds them there
 
 
 def update_policy(run, batch, rewards):

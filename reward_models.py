@@ -391,7 +391,7 @@ class IntrinsicReward:
     def __init__(self, args, device):
         self.args, self.device, self.piece = args, device, PIECES[args.reward_type](args, device)
         self.start, self.close, self.train_stats = self.piece.start, self.piece.close, self.piece.train_stats
-        self.rng = random.Random(f"label requests {args.seed}")  # pairs to ask, the order of retries
+        self.rng = random.Random(f"label requests {args.seed}")  # the pairs to ask
         self.asked: dict[str, float] = {}  # captions asked and not yet answered -> when last asked
         self.to_ask, self.batches_to_pair, self.last_retry = [], 0, time.time()  # since the last label_requests()
         self.pair_pool, self.pool_offers, self.steps_seen = [], 0, 0
@@ -432,7 +432,8 @@ class IntrinsicReward:
                                 counts, self.args.count_beta)
         self.piece.see([t for t, keep in zip(texts, nonempty) if keep], steps[nonempty])
         if self.piece.asks == "captions":  # new captions to ask
-            new = [t for t, keep in zip(texts, nonempty) if keep and t not in self.piece.labels and t not in self.asked]
+            new = [texts[i] for i in np.argsort(-steps, kind="stable")  # most steps first: a full backlog takes the first
+                   if nonempty[i] and texts[i] not in self.piece.labels and texts[i] not in self.asked]  # (not A to Z)
             self.asked.update(dict.fromkeys(new, time.time()))
             self.to_ask += new
         elif self.piece.asks == "pairs":  # every 10th step's message to the pair pool: frequent ones compared more

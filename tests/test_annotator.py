@@ -260,7 +260,7 @@ def test_known_captions_are_not_asked_again_and_the_backlog_is_bounded(fake, tmp
 
 def test_the_backlog_is_asked_oldest_first(tmp_path):
     """Guards: asked newest first, a backlog that never empties (the embedded labeler behind the agent's stream of new
-    messages) never reached its first captions: "It's a wall.", on 22% of a 1M-step run's steps, went unlabelled."""
+    messages) never reached its first captions: "It's a wall.", on 25% of a 1M-step run's steps, went unlabelled."""
     fake = FakeOpenAI().start()
     fake.delay = 0.05
     a = Annotator(fake.url, tmp_path, concurrency=1)

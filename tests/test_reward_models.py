@@ -776,6 +776,14 @@ def test_a_resume_continues_the_reward_model_exactly(monkeypatch):
     assert list(again.piece.recent) == list(ranking.piece.recent) and again.piece.batches == 3
 
 
+def test_new_captions_are_asked_most_seen_first():
+    """Guards: new captions went out in byte order (np.unique's), and a full annotator backlog takes the first ones:
+    "You kill the newt!", last from A to Z, was turned away before the prompts and walls."""
+    model = rm.IntrinsicReward(make_args(reward_type="retrieval"), "cpu")
+    model.rewards(*steps_of([("Are you sure you want to pray? [yn] (n)", 1), ("You kill the newt!", 5), (WALL, 3)]))
+    assert model.label_requests()[0] == ["You kill the newt!", WALL, "Are you sure you want to pray? [yn] (n)"]
+
+
 def test_a_sweep_of_unanswered_captions_is_bounded_and_oldest_first():
     """With 1e6 captions unanswered, one re-ask sweep scanned, shuffled and sent them all every 60 s (1.6 s of the
     learner thread, 57 MB through the request queue); now at most a backlog's worth, the longest waiting first."""

@@ -60,8 +60,7 @@ def build_command(backend, model, host, port, threads=None, tensor_parallel_size
             raise SystemExit(f"error: model file {model} does not exist")
         return [sys.executable, "-m", "llama_cpp.server", "--model", model, "--host", host, "--port", str(port),
                 "--n_threads", str(threads or max(1, (os.cpu_count() or 1) - num_workers)), "--n_ctx", "2048",
-                "--logits_all", str(scored).lower(),
-                "--model_alias", os.path.basename(model).removesuffix(".gguf")]
+                "--logits_all", str(scored).lower(), "--model_alias", os.path.basename(model).removesuffix(".gguf")]
     if model is None:
         raise SystemExit("error: --backend vllm needs --model (a Hugging Face name or a local path)")
     if model.startswith(("/", ".", "~")) and not os.path.exists(os.path.expanduser(model)):
@@ -125,14 +124,12 @@ def stop(process, timeout_s=10.0):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--backend", default="llama_cpp", help=f"one of {', '.join(BACKENDS)}")
-    parser.add_argument("--model", default=None, help="GGUF file (llama_cpp; default: the embedded "
-                        "Gemma 3 270M) or Hugging Face name / path (vllm)")
+    parser.add_argument("--model", help="GGUF file (llama_cpp; default: the embedded Gemma 3 270M) or HF name/path (vllm)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: all)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on")
     parser.add_argument("--threads", type=int, default=None, help="llama_cpp CPU threads (default: all)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="vllm: GPUs per model")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.5,
-                        help="vllm: share of GPU memory to take (a learner may share the GPU)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="vllm: share of GPU memory to take")
     parser.add_argument("--log", default=None, help="write the server's output to this file")
     args = parser.parse_args(argv)
     process, url = start(args.backend, args.model, args.host, args.port, args.threads, args.tensor_parallel_size,

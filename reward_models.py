@@ -267,12 +267,12 @@ class TrainedModel(NoReward):
             self.model_steps = state["model_steps"]
             if "minibatch_rng" in state:  # (checkpoints from before it was kept go on from the seed)
                 self.rng.setstate(state["minibatch_rng"])
-            self.publish(**{key: state[key] for key in self.scoring_keys})
+            self.publish(**{key: state.get(key) for key in self.scoring_keys})  # (no "frequent" before 2026-11-25)
 
 
 class Classification(TrainedModel):
     """ONI-Classification: R = 1 if a classifier trained on the labels says p(helpful) > 0.5 (once fitted)."""
-    asks, scoring_keys = "captions", ("fitted",)
+    asks, scoring_keys = "captions", ("fitted", "frequent")
 
     def __init__(self, args, device):
         super().__init__(args, device, nn.Sequential(
@@ -292,9 +292,11 @@ class Classification(TrainedModel):
             self.keys += new
             self.classes = set(self.labels.values()) if changed else self.classes | {label for _, label in labelled}
 
-    def minibatch_loss(self, batch_size):
-        with self.lock:
-            texts = self.rng.choices(self.keys, k=batch_size)
+    def minibatch_loss(self, batch_size):  # half drawn as the reference drew, uniformly over the labels, half as the
+        texts, steps = (self.published or {}).get("frequent") or (self.keys, None)  # gate weighs them: by steps (else
+        with self.lock:  # "It's a wall.", on 20% of a run's steps, was 1 of 3,416 negatives and paid at random)
+            texts = self.rng.choices(self.keys, k=(half := batch_size // 2)) + self.rng.choices(
+                texts, steps, k=batch_size - half)
             labels = torch.tensor([int(self.labels[t]) for t in texts], device=self.device)
         share = labels.float().mean().clamp(0.01, 0.99)  # class-balanced: both classes weigh half
         logits = outputs(self.model.train(), texts, self.device)
@@ -309,7 +311,7 @@ class Classification(TrainedModel):
         with self.lock:  # the keys only (a copy of 1e6 labels and steps held it 40 ms); each read below is atomic
             keys = self.keys[:]
         weight = lambda text, steps=self.steps.get: steps(text, 0) + 1  # a label never shown (--labels-from): one step
-        recall, label = [], self.labels.get
+        recall, label, frequent = [], self.labels.get, []
         for c in (0, 1):  # the same messages at every publication while the counts stand: no sampling noise
             texts = heapq.nlargest(GATE_MESSAGES, (t for t in keys if label(t) == c), key=weight)
             if not texts:
@@ -318,8 +320,9 @@ class Classification(TrainedModel):
             with torch.no_grad():  # per step, not per distinct message: the policy is paid per step
                 right = (outputs(model, texts, self.device).argmax(-1) == c).float()
             recall.append(((w * right).sum() / w.sum()).item())
+            frequent += zip(texts, w.tolist())
         was = self.published is not None and self.published["fitted"]  # hysteresis: recall near the bar must not flicker
-        return {"fitted": min(recall) >= (UNFIT_RECALL if was else FIT_RECALL)}
+        return {"fitted": min(recall) >= (UNFIT_RECALL if was else FIT_RECALL), "frequent": tuple(zip(*frequent))}
 
     def load_state_dict(self, state):  # the gate's steps: the learner's counts of every message (messages.tsv's)
         self.steps = collections.Counter({text: n for text, n in state.get("seen", {}).items() if text})

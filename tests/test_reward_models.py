@@ -510,6 +510,34 @@ def test_the_classifier_gate_does_not_flicker_near_its_bar():
     assert sum(a != b for a, b in zip([False] + fitted, fitted)) == 1 and fitted[-1], fitted
 
 
+def test_the_classifier_trains_half_on_the_labels_and_half_as_the_steps_show_them(monkeypatch):
+    """Before: minibatches drew the distinct labelled messages uniformly, so the message on 20% of a run's steps was
+    1 of 3,416 negatives; free_classification's classifier called "It's a wall." helpful (p 0.95) though labelled 0,
+    the gate stayed shut and the run paid nothing. After a publication half of each minibatch follows the steps."""
+    model = labelled_steps_seen()
+    many = [f"The thing {i} bites!" for i in range(3000)]  # rare labels, one step each: the uniform half's
+    model.add_labels([{"caption": t, "label": 0} for t in many])
+    model.rewards(*steps_of([(t, 1) for t in many]))
+    model.piece.train_now(1, batch_size=8)  # published: its gate sample and their steps
+    drawn = []
+    monkeypatch.setattr(rm, "outputs", lambda m, texts, device: (drawn.extend(texts), torch.zeros(len(texts), 2))[1])
+    for _ in range(16):
+        model.piece.minibatch_loss(256)
+    share = lambda texts: sum(t in texts for t in drawn) / len(drawn)
+    # the gate's sample: all 5 helpful labels; the 40 unhelpful ones of LABELLED_STEPS and 984 of `many`, each
+    # weighing its steps + 1; the uniform half: any of the 3,045 labels
+    in_gate = rm.GATE_MESSAGES - (len(LABELLED_STEPS) - len(HELPFUL))
+    gate_steps = sum(k + 1 for _, k, _ in LABELLED_STEPS) + 2 * in_gate
+    assert share({WALL}) == pytest.approx(0.5 * 241 / gate_steps + 0.5 / 3045, abs=0.01)  # old: 1 in 3,045
+    assert share(set(HELPFUL)) == pytest.approx(0.5 * 14 / gate_steps + 0.5 * 5 / 3045, abs=0.01)
+    assert share(set(many)) == pytest.approx(0.5 * 2 * in_gate / gate_steps + 0.5 * 3000 / 3045, abs=0.02)
+    resumed = rm.IntrinsicReward(make_args(reward_type="classification"), "cpu")  # a resume draws the same
+    resumed.add_labels([{"caption": t, "label": label} for t, _, label in LABELLED_STEPS] +
+                       [{"caption": t, "label": 0} for t in many])
+    resumed.load_state_dict(model.state_dict())
+    assert resumed.piece.published["frequent"] == model.piece.published["frequent"]
+
+
 def test_the_classifier_gate_and_its_step_counts_survive_a_resume():
     model = labelled_steps_seen()
     model.piece.train_now(1, batch_size=8)  # a checkpoint needs a trained model

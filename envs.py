@@ -12,8 +12,7 @@ from nle.env.tasks import TASK_ACTIONS
 
 # NLE's 23 task actions (MORE, 8 compass, 8 long compass, UP, DOWN, WAIT, KICK, EAT, SEARCH) + 5.
 ACTIONS = tuple(TASK_ACTIONS) + (
-    nethack.Command.CAST, nethack.Command.QUAFF, nethack.Command.PRAY,
-    nethack.Command.PICKUP, nethack.Command.PAY)
+    nethack.Command.CAST, nethack.Command.QUAFF, nethack.Command.PRAY, nethack.Command.PICKUP, nethack.Command.PAY)
 # Only what the policy, the rewards and the statistics read: NLE's default keys cost ~30% speed.
 OBS_KEYS = ("glyphs", "chars", "colors", "blstats", "message")
 MESSAGE_LEN = 256

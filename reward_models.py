@@ -324,9 +324,10 @@ class Classification(TrainedModel):
         was = self.published is not None and self.published["fitted"]  # hysteresis: recall near the bar must not flicker
         return {"fitted": min(recall) >= (UNFIT_RECALL if was else FIT_RECALL), "frequent": tuple(zip(*frequent))}
 
-    def load_state_dict(self, state):  # the gate's steps: the learner's counts of every message (messages.tsv's)
-        self.steps = collections.Counter({text: n for text, n in state.get("seen", {}).items() if text})
-        super().load_state_dict(state)
+    def load_state_dict(self, state):  # the gate's steps: the learner's counts of every message (messages.tsv's); its
+        self.steps = collections.Counter({text: n for text, n in state.get("seen", {}).items() if text})  # sample
+        kept = [(t, n) for t, n in zip(*state.get("frequent") or ()) if t in self.labels]  # without the labels a crash
+        super().load_state_dict({**state, "frequent": tuple(zip(*kept)) or None})  # took from labels.jsonl's end
 
     def ready(self): return {0.0, 1.0} <= self.classes  # a boundary needs both classes among the labels
 

@@ -4,11 +4,14 @@
 
 The run's labels go in as the LLM gave them (labels.jsonl order, 25 at a time), the trainer keeps its own schedule
 (`train_now()`: a first fit of 32 steps, then 0.32 steps a label), every burst is published and judged by the gate.
-The step counts are the run's final ones (messages.tsv) from the start, an approximation: in the run they grew. No
-LLM, no env, no policy: it isolates the classifier and its gate. Printed per tree and seed: the share of publications
-the gate was on (paying), how often it switched, the first publication it was on; then, for the last published
-model, the share of the run's unhelpful and helpful labelled steps it calls helpful (what it would pay once on) and
-its p(helpful) for the run's most frequent messages. `--baseline REV` replays the same on a git worktree of commit
+The step counts are the run's final ones (messages.tsv) from the start, an approximation: in the run they grew. Other
+approximations: labels arrive 25 at a time, not at the run's times, and the trainer is never rate-limited by a share;
+no learner batches are seen, so beyond 25,000 labels (one step a batch) it would train no more; both trees replay the
+labels one run's policy met. No LLM, no env, no policy: it isolates the classifier and its gate.
+Printed per tree and seed: the share of publications the gate was on (paying), how often it switched, the first
+publication it was on; then, for the last published model, the share of the run's unhelpful and helpful labelled
+steps it calls helpful (what it would pay were the gate on, before count normalization) and its p(helpful) for the
+run's most frequent messages. `--baseline REV` replays the same on a git worktree of commit
 REV (that tree's reward_models.py), one case at a time."""
 import argparse
 import itertools

@@ -529,13 +529,15 @@ def test_the_classifier_trains_half_on_the_labels_and_half_as_the_steps_show_the
     in_gate = rm.GATE_MESSAGES - (len(LABELLED_STEPS) - len(HELPFUL))
     gate_steps = sum(k + 1 for _, k, _ in LABELLED_STEPS) + 2 * in_gate
     assert share({WALL}) == pytest.approx(0.5 * 241 / gate_steps + 0.5 / 3045, abs=0.01)  # old: 1 in 3,045
-    assert share(set(HELPFUL)) == pytest.approx(0.5 * 14 / gate_steps + 0.5 * 5 / 3045, abs=0.01)
+    assert share(set(HELPFUL)) == pytest.approx(0.5 * 14 / gate_steps + 0.5 * 5 / 3045, abs=0.0015)  # old: 0.0016
     assert share(set(many)) == pytest.approx(0.5 * 2 * in_gate / gate_steps + 0.5 * 3000 / 3045, abs=0.02)
-    resumed = rm.IntrinsicReward(make_args(reward_type="classification"), "cpu")  # a resume draws the same
-    resumed.add_labels([{"caption": t, "label": label} for t, _, label in LABELLED_STEPS] +
-                       [{"caption": t, "label": 0} for t in many])
+    resumed = rm.IntrinsicReward(make_args(reward_type="classification"), "cpu")  # a resume draws the same, but
+    resumed.add_labels([{"caption": t, "label": label} for t, _, label in LABELLED_STEPS if t != KILL] +  # not a
+                       [{"caption": t, "label": 0} for t in many])  # label that a crash took from labels.jsonl's end
     resumed.load_state_dict(model.state_dict())
-    assert resumed.piece.published["frequent"] == model.piece.published["frequent"]
+    texts, steps = model.piece.published["frequent"]
+    assert resumed.piece.published["frequent"] == tuple(zip(*[(t, n) for t, n in zip(texts, steps) if t != KILL]))
+    resumed.piece.minibatch_loss(256)  # was a KeyError in the trainer thread: the run stopped, and again on resume
 
 
 def test_the_classifier_gate_and_its_step_counts_survive_a_resume():

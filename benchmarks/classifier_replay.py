@@ -55,7 +55,7 @@ def replay(run, seed, top=6):
     paid = lambda c: float((weight * (p > 0.5))[label == c].sum() / weight[label == c].sum())
     return {"model_steps": piece.model_steps, "publications": len(fitted), "on": float(np.mean(fitted)),
             "switches": sum(a != b for a, b in zip([False] + fitted, fitted)),
-            "first_on": fitted.index(True) if True in fitted else None,
+            "first_on": fitted.index(True) + 1 if True in fitted else None,  # 1: the first
             "unhelpful_steps_paid": paid(0.0), "helpful_steps_paid": paid(1.0),
             "most_frequent": [(texts[i], int(label[i]), round(float(p[i]), 3)) for i in np.argsort(-weight)[:top]]}
 

@@ -303,9 +303,8 @@ Manager.register("LabelTable", LabelTable, exposed=("put", "since", "settled"))
 
 def serve(*, urls, model, prompts, concurrency, run_dir, known, requests, table, stats, stop, scored, timeout_s=TIMEOUT_S):
     """The annotator process: `concurrency` requests in flight, each to the least busy server not pausing."""
-    labeler = Labeler(urls, model, prompts, timeout_s, scored)
-    backlog, attempts, in_flight = collections.OrderedDict(), collections.Counter(), {}  # backlog: key -> item
-    asking = set()  # keys in flight: a retry of one must not ask it twice
+    labeler, asking = Labeler(urls, model, prompts, timeout_s, scored), set()  # asking: keys in flight (a retry of
+    backlog, attempts, in_flight = collections.OrderedDict(), collections.Counter(), {}  # one must not ask it twice)
     done = set(known) | set(table.settled())  # a restarted annotator does not ask again what is answered
     latencies, counts = collections.deque(maxlen=1000), collections.Counter(stats.copy())  # counts go on
     # per server (a dead one must not stall the rest): the next pause, when this one ends, when it began

@@ -734,6 +734,7 @@ def save(run):
     path = os.path.join(run.args.run_dir, "checkpoint.pt")
     torch.save(state, path + ".tmp")
     os.replace(path + ".tmp", path)  # never leave a half-written checkpoint
+    return totals
 
 
 def add_scalars(writer, prefix, values, step):
@@ -773,10 +774,10 @@ def finish(run):
     """The last log, checkpoint, messages.tsv and summary.json; a stop for a failure is a one-line error."""
     args = run.args
     log_progress(run, join_episodes(run.pending, run.finished, final=True), time.time())
-    save(run)
-    run.intrinsic.write_messages(os.path.join(args.run_dir, "messages.tsv"))
+    totals = save(run)  # the client is closed: these are the run's totals, and the next resume goes on from them, so
+    run.intrinsic.write_messages(os.path.join(args.run_dir, "messages.tsv"))  # the session's time ends at the save
+    elapsed = totals["wall_time_s"] - run.saved_totals.get("wall_time_s", 0.0)  # (sessions summed = the run's time)
     llm = run.client.stats() if run.client is not None else {}
-    totals, elapsed = run_totals(run, llm), time.time() - run.start_time
     # figures of the whole run (over resumes): steps learned a second; "session_": this session's, steps collected
     summary = {**run.counters, "env_steps": learned_steps(run), "sps": totals["learned_steps"] / totals["wall_time_s"],
                "wall_time_s": totals["wall_time_s"],

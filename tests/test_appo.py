@@ -488,10 +488,11 @@ def test_checkpoints_written_during_training_hold_whole_updates(tmp_path, monkey
     real_save = oni_appo.save
 
     def save(run):  # what each checkpoint written to disk holds
-        real_save(run)
+        totals = real_save(run)
         state = torch.load(os.path.join(run.args.run_dir, "checkpoint.pt"), weights_only=False)
         steps = {int(s["step"]) for s in state["optimizer"]["state"].values()}
         saved.append((steps, state["counters"]["updates"]))
+        return totals
 
     monkeypatch.setattr(oni_appo, "save", save)
     train_in_process(tmp_path, SMALL_RUN + ["--total-env-steps", "8000", "--checkpoint-every-s", "0"], monkeypatch)

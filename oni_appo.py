@@ -310,18 +310,22 @@ def env_worker(index, task, seed, num_envs, buffers, conn, max_episode_steps=env
         env.close()
 
 
-def add_intrinsic_episodes(totals, finished, paid, end, env_ids, n):
-    """paid (R / N^beta), end: [T, B]: rollouts of n envs side by side, in order (one env may have two); env_ids: [B].
-    Sums each env's episode in totals [envs, 3]; at its end, its intrinsic return and rewarded share go to finished."""
-    paid, end = paid.cpu().numpy(), end.cpu().numpy()
-    for first in range(0, paid.shape[1], n):
-        ids = env_ids[first:first + n]
-        for p, e in zip(paid[:, first:first + n], end[:, first:first + n]):
-            totals[ids] = np.where((e == End.RESET)[:, None], 0.0, totals[ids] + np.stack([p, p != 0, np.ones_like(p)], 1))
-            for j in np.flatnonzero((e == End.TERMINATED) | (e == End.TRUNCATED)):
-                total, rewarded, steps = totals[ids[j]]
-                finished[ids[j]].append({"intrinsic_return": total, "intrinsic_rewarded_fraction": rewarded / steps})
-                totals[ids[j]] = 0.0
+def add_intrinsic_episodes(totals, finished, paid, end, env_ids):
+    """paid (R / N^beta), end: [T, B]: rollouts side by side, each env's in time order (one env may have two); env_ids:
+    [B]. Sums each env's episode in totals [envs, 3]; at its end, its intrinsic return and rewarded share go to finished."""
+    order = np.argsort(env_ids, kind="stable")  # one run of steps per env, in time order: a segmented sum
+    paid, end = paid.cpu().numpy()[:, order].T.ravel().astype(np.float64), end.cpu().numpy()[:, order].T.ravel()
+    env = np.repeat(env_ids[order], len(end) // len(order))
+    steps = np.stack([paid, paid != 0, np.ones_like(paid)], 1) * (end != End.RESET)[:, None]  # a reset step: none
+    first, last = np.r_[True, env[1:] != env[:-1]], np.r_[env[1:] != env[:-1], True]
+    steps[first] += totals[env[first]] * (end[first] != End.RESET)[:, None]  # episodes in progress go on
+    done = (end == End.TERMINATED) | (end == End.TRUNCATED)
+    starts = np.flatnonzero(first | (end == End.RESET) | np.r_[False, done[:-1]])  # a reset drops its episode
+    sums, ends = np.add.reduceat(steps, starts), np.r_[starts[1:], len(end)] - 1
+    totals[env[first]], going_on = 0.0, last[ends] & ~done[ends]
+    totals[env[ends[going_on]]] = sums[going_on]
+    for i, (total, rewarded, n) in zip(ends[done[ends]], sums[done[ends]]):
+        finished[env[i]].append({"intrinsic_return": total, "intrinsic_rewarded_fraction": rewarded / n})
 
 
 def join_episodes(pending, finished, final=False):
@@ -459,8 +463,7 @@ class Run:
 def train(args):
     run = set_up(args)
     conns, workers = start_workers(run)
-    learner = threading.Thread(target=learn, args=(run,), daemon=True)
-    learner.start()
+    (learner := threading.Thread(target=learn, args=(run,), daemon=True)).start()
     stop_on_signals(run.stop)
     run.start_time = time.time()
     print(f"training {args.task} with reward {args.reward_type}: {args.num_workers} workers x "
@@ -555,8 +558,7 @@ def stop_workers(conns, workers):
             conn.send(None)
     for proc in workers:
         proc.join(timeout=5)
-        if proc.is_alive():
-            proc.terminate()
+        proc.terminate()  # if still alive (a no-op for one that ended)
 
 
 def collect(run, conns):
@@ -599,11 +601,9 @@ def receive(run, conns):
 
 def hand_over(run, s):
     """Slot s's rollout is full: queue it for the learner, go on in a free buffer (False: none is free)."""
-    try:
-        new = run.free.get_nowait()
-    except queue.Empty:
+    if run.free.empty():  # only this thread takes from it: not empty now, not empty at the get
         return False
-    old, T = run.slot_buffer[s], run.args.rollout
+    new, old, T = run.free.get_nowait(), run.slot_buffer[s], run.args.rollout
     run.hidden[s] = carry_state(run.hidden[s], run.buffers["end"][old, T - 1])
     for k in OBS_FIELDS:
         run.buffers[k][new, 0] = run.buffers[k][old, T]
@@ -616,9 +616,9 @@ def hand_over(run, s):
 def act(run, conns, slots):
     """One batched inference step for these slots, written into their buffers at their t; then their workers step."""
     buffers, n = run.buffers, run.envs_per_slot
-    bs = torch.tensor([run.slot_buffer[s] for s in slots])
-    ts = torch.tensor([run.slot_t[s] for s in slots])
-    obs = {k: buffers[k][bs, ts].flatten(0, 1).to(run.device) for k in OBS_FIELDS}
+    places = [(run.slot_buffer[s], run.slot_t[s]) for s in slots]  # a slot's observations: one slice, not a gather
+    bs, ts = torch.tensor(places).T
+    obs = {k: torch.cat([buffers[k][b, t] for b, t in places]).to(run.device) for k in OBS_FIELDS}
     # at t = 0 the state was carried over at the hand-over; after that, reset where an episode ended
     prev_end = torch.where(ts[:, None] > 0, buffers["end"][bs, (ts - 1).clamp(min=0)], End.RUNNING)
     h = carry_state(run.hidden[slots], prev_end.to(run.device))
@@ -633,7 +633,7 @@ def act(run, conns, slots):
     buffers["action"][bs, ts] = action.view(len(slots), n).cpu()
     buffers["logprob"][bs, ts] = log_probs.gather(-1, action[:, None]).view(len(slots), n).cpu()
     buffers["version"][bs, ts] = version
-    for s, b, t in zip(slots, bs.tolist(), ts.tolist()):
+    for s, (b, t) in zip(slots, places):
         conns[s // 2].send((s % 2, b, t))
         run.slot_t[s] = t + 1
     run.counters["env_steps"] += len(slots) * n
@@ -648,7 +648,7 @@ def learn(run):
             started = time.perf_counter()
             rewards, paid, reward_stats = run.intrinsic.rewards(batch["reward"], step_message, batch["step_count"],
                                                                 batch["end"] == End.TERMINATED)
-            add_intrinsic_episodes(run.intrinsic_totals, run.finished, paid, batch["end"], env_ids, run.envs_per_slot)
+            add_intrinsic_episodes(run.intrinsic_totals, run.finished, paid, batch["end"], env_ids)
             terminal = batch["end"] == End.TERMINATED  # summary.json's means are over steps, not over batches
             run.sums.update(lag_sum=lag.sum().item(), lag_steps=lag.numel(), terminal_paid=paid[terminal].sum().item(),
                             terminal_steps=terminal.sum().item())

@@ -206,7 +206,7 @@ def test_episode_intrinsic_returns_follow_each_env_across_rollouts_and_resets():
     end = torch.tensor([[R, R, T, RS], [T, TR, R, R], [R, RS, R, T]], dtype=torch.int8)
     paid = torch.tensor([[1.0, 0.5, 2.0, 0.0], [0.25, 0.0, 0.0, 3.0], [4.0, 0.0, 0.0, 1.0]])
     totals, finished = np.zeros((2, 3)), [collections.deque() for _ in range(2)]
-    oni_appo.add_intrinsic_episodes(totals, finished, paid, end, np.array([0, 1, 0, 1]), 2)
+    oni_appo.add_intrinsic_episodes(totals, finished, paid, end, np.array([0, 1, 0, 1]))
     # env 0: 1 + 0.25 (ends), then 4 + 2 (ends at the second rollout's t=0), then 0 (in progress)
     assert [e["intrinsic_return"] for e in finished[0]] == [1.25, 6.0]
     assert [e["intrinsic_rewarded_fraction"] for e in finished[0]] == [1.0, 1.0]

@@ -28,6 +28,7 @@ import argparse
 import glob
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -210,22 +211,41 @@ def report(dirs, out, figure):
     print(table(runs) + f"figure: {figure}; table: {markdown}")
 
 
+def random_games(run_dir):
+    """What evaluate.py --random plays for this run: the games and the actions come from the run's task, seed and
+    episode limit, not from its policy (tests/test_evaluate.py), so the runs that share them share one evaluation.
+    None without a checkpoint."""
+    path = os.path.join(run_dir, "checkpoint.pt")
+    if not os.path.exists(path):
+        return None
+    import torch  # only here: plotting and training need no torch in this process
+
+    args = torch.load(path, map_location="cpu", weights_only=False)["args"]
+    return args["task"], args["seed"], args.get("max_episode_steps")
+
+
 def evaluate(dirs, episodes, record=False):
     """`evaluate.py` on each run's final checkpoint and `--random` on the same episodes (their seeds come
-    from the run's seed), unless done (with record: and their first episode's replay); then one markdown
-    table of the means +- std over episodes."""
+    from the run's seed; done once for the runs of one task and seed), unless done (with record: and their
+    first episode's replay); then one markdown table of the means +- std over episodes."""
     rows = ["| run | policy | episodes | score | kills | depth | explored | steps |", "|---|---|---|---|---|---|---|---|"]
+    shared = {}  # (task, seed, episode limit) -> an eval_random.json (see random_games)
     for run_dir in sorted(d for path in dirs for d in glob.glob(os.path.join(path, "seed*")) or [path]):
         for random, name in ((False, "eval.json"), (True, "eval_random.json")):
             flags, replay = ["--random"] * random, os.path.join(run_dir, "replay_random" if random else "replay")
             if record:
                 flags += ["--record", replay, "--record-episodes", "1"]
+            games = random and not record and random_games(run_dir)
+            if games in shared and not os.path.exists(os.path.join(run_dir, name)):
+                shutil.copy(shared[games], os.path.join(run_dir, name))  # it names the checkpoint it was played with
             if not os.path.exists(os.path.join(run_dir, name)) or (
                     record and not os.path.exists(os.path.join(replay, "episode0.html"))):
                 execute([sys.executable, "evaluate.py", run_dir, "--episodes", str(episodes), *flags],
                         subprocess.DEVNULL)
             if os.path.exists(os.path.join(run_dir, name)):
                 results = json.load(open(os.path.join(run_dir, name)))["episodes"]
+                if games and len(results) == episodes:
+                    shared.setdefault(games, os.path.join(run_dir, name))
                 cells = [f"{np.mean([e[k] for e in results]):.2f} ± {np.std([e[k] for e in results]):.2f}"
                          for k in ("score", "kills", "depth", "explored", "steps")]
                 rows.append(f"| {os.path.relpath(run_dir, ROOT)} | {'random actions' if random else 'trained'} | "

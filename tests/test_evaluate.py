@@ -141,6 +141,19 @@ def test_recording_changes_no_action(tmp_path):
     assert played[0] == played[1]
 
 
+def test_random_actions_play_the_same_games_whatever_the_policy(tmp_path):
+    """learning_curves.py --eval evaluates random actions once per task and seed and shares it among the runs."""
+    args = oni_appo.Args(reward_type="none", max_episode_steps=STEPS, seed=SEED)
+    played = []
+    for name, init in (("a", 0), ("b", 1)):  # two different policies
+        os.makedirs(tmp_path / name)
+        torch.manual_seed(init)
+        evaluate.evaluate(evaluate.Args(save_run(tmp_path / name, args, oni_appo.Agent()), episodes=3, random=True,
+                                        device="cpu"))
+        played.append(json.load(open(tmp_path / name / "eval_random.json"))["episodes"])
+    assert played[0] == played[1] and len({json.dumps(e) for e in played[0]}) > 1
+
+
 def test_nle_reads_its_ttyrec_and_every_step_screen_is_one_of_its_frames(recorded):
     run_dir, _, data = recorded
     converter = _pyconverter.Converter(24, 80, 3)

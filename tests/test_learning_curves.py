@@ -4,6 +4,8 @@ import json
 import os
 import sys
 
+import torch
+
 from benchmarks import learning_curves as lc
 
 
@@ -132,6 +134,31 @@ def test_eval_table_and_commands(tmp_path, monkeypatch):
     assert len(lines) == 4
     trained, random = ([c.strip() for c in line.strip("|").split("|")] for line in lines[2:])
     assert trained[1:4] == ["trained", "2", "3.00 ± 1.00"] and random[1:4] == ["random actions", "2", "30.00 ± 10.00"]
+
+
+def test_eval_plays_random_actions_once_per_task_and_seed(tmp_path, monkeypatch):
+    """--eval: runs of one task and seed share one evaluate.py --random (the same games, the same actions);
+    another seed gets its own."""
+    runs, EVAL_KEYS = {}, ("score", "kills", "depth", "explored", "steps")
+    for config, seed in (("a", 1), ("b", 1), ("c", 2)):
+        runs[config] = tmp_path / config / "seed1"
+        os.makedirs(runs[config])
+        torch.save({"args": {"task": lc.SCORE, "seed": seed, "max_episode_steps": 100}}, runs[config] / "checkpoint.pt")
+        (runs[config] / "eval.json").write_text(json.dumps({"episodes": [{k: seed for k in EVAL_KEYS}] * 2}))
+    calls = []
+
+    def fake_execute(command, log):
+        calls.append(command[2])
+        episodes = [{k: len(calls) for k in EVAL_KEYS}] * 2
+        (tmp_path / command[2] / "eval_random.json").write_text(json.dumps({"episodes": episodes}))
+        return 0
+
+    monkeypatch.setattr(lc, "execute", fake_execute)
+    assert lc.main(["--eval", *(str(tmp_path / c) for c in "abc"), "--out", str(tmp_path / "out"),
+                    "--eval-episodes", "2"]) == 0
+    assert calls == [str(runs["a"]), str(runs["c"])]
+    assert open(runs["b"] / "eval_random.json").read() == open(runs["a"] / "eval_random.json").read()
+    assert open(tmp_path / "out" / "eval.md").read().count("random actions") == 3
 
 
 def test_eval_record_asks_for_the_first_episodes_replay(tmp_path, monkeypatch):

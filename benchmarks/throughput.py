@@ -80,8 +80,9 @@ def collection_run(oni_argv):
         json.dump(summary, f)
 
 
-def train(extra, steps, workers, envs_per_worker, root=ROOT, collection=False):
+def train(extra, steps, workers, envs_per_worker, root=ROOT, collection=False, batch_size=None):
     run_dir = tempfile.mkdtemp(prefix="oni-bench-")
+    extra = [*extra, "--batch-size", str(batch_size)] if batch_size else extra
     program = [os.path.abspath(__file__), "--collection-run"] if collection else [os.path.join(root, "oni_appo.py")]
     command = [sys.executable, *program, "--total-env-steps", str(steps),
                "--num-workers", str(workers), "--num-envs-per-worker", str(envs_per_worker),
@@ -124,6 +125,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--num-workers", type=int, default=os.cpu_count())
     parser.add_argument("--num-envs-per-worker", type=int, default=16)
+    parser.add_argument("--batch-size", type=int, default=None, help="oni_appo's --batch-size (default: its own)")
     parser.add_argument("--steps", type=int, default=50_000, help="env steps per training run")
     parser.add_argument("--raw-seconds", type=float, default=10.0)
     parser.add_argument("--llm", default=None, help="also run ranking with: stub | embedded | a base URL")
@@ -136,12 +138,14 @@ def main():
 
     rows = [("raw NLE, random actions", raw_nle(args.num_workers, args.raw_seconds), {})]
     print(f"{rows[0][0]:48s} {rows[0][1]:10,.0f} steps/s", flush=True)
-    none = train(["--reward-type", "none"], args.steps, args.num_workers, args.num_envs_per_worker)
+    run = lambda extra, **kw: train(extra, args.steps, args.num_workers, args.num_envs_per_worker,
+                                    batch_size=args.batch_size, **kw)
+    none = run(["--reward-type", "none"])
     rows.append(("oni_appo --reward-type none", none["sps"], none))
     print(f"{rows[1][0]:48s} {none['sps']:10,.0f} steps/s  ({none['sps'] / rows[0][1]:.3f} of raw; "
           f"mean policy lag {none['lag_mean']:.2f} updates)", flush=True)
     if args.collection:
-        alone = train(["--reward-type", "none"], args.steps, args.num_workers, args.num_envs_per_worker, collection=True)
+        alone = run(["--reward-type", "none"], collection=True)
         print(f"{'collection alone (learner does no update)':48s} {alone['sps']:10,.0f} steps/s  "
               f"({alone['sps'] / rows[0][1]:.3f} of raw; {alone['inference_share']:.0%} of its wall time in inference, "
               f"{1e6 * alone['inference_share'] * alone['wall_time_s'] / alone['env_steps']:.0f} us per env step)",
@@ -157,7 +161,7 @@ def main():
             url_args = []
         else:
             url_args = ["--llm-url", args.llm]
-        ranking = train(["--reward-type", "ranking", *url_args], args.steps, args.num_workers, args.num_envs_per_worker)
+        ranking = run(["--reward-type", "ranking", *url_args])
         if stub is not None:
             stub.stop()
         label = f"oni_appo --reward-type ranking (LLM: {args.llm})"

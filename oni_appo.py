@@ -43,14 +43,14 @@ class Args:
     """seed of torch, numpy and of every env's stream of game seeds"""
     total_env_steps: int = 2_000_000_000
     """env steps to train for (the paper: 2e9)"""
-    num_workers: int = field(default_factory=lambda: os.cpu_count() or 1)
-    """env worker processes (default: the machine's cores)"""
-    num_envs_per_worker: int = 16
-    """envs per worker, stepped in two halves while the other half waits for actions (even)"""
+    num_workers: int | None = None
+    """env worker processes (default: the machine's cores; with a GPU two fewer, for acting and learning)"""
+    num_envs_per_worker: int | None = None
+    """envs per worker, stepped in two halves while the other half waits for actions (even; default 16, 64 on a GPU)"""
     rollout: int = 32
     """steps per rollout (the V-trace / GRU unroll length)"""
-    batch_size: int = 1024
-    """env steps per learner update; a multiple of rollout * num_envs_per_worker / 2"""
+    batch_size: int | None = None
+    """env steps per learner update, a multiple of rollout * num_envs_per_worker / 2 (default 1024, 4096 on a GPU)"""
     lr: float = 1e-4
     """Adam learning rate"""
     gamma: float = 0.99
@@ -244,14 +244,10 @@ def make_buffers(num_buffers, rollout, n):
         "message": shared(rollout + 1, n, envs.MESSAGE_LEN, dtype=torch.uint8),
         # the reward's input: each step's own message and its count N in the episode (at an end: not message[t+1])
         "step_message": shared(rollout, n, envs.MESSAGE_LEN, dtype=torch.uint8),
-        "step_count": shared(rollout, n, dtype=torch.int32),
-        "action": shared(rollout, n, dtype=torch.int64),
-        "logprob": shared(rollout, n, dtype=torch.float32),
-        "reward": shared(rollout, n, dtype=torch.float32),
-        "end": shared(rollout, n, dtype=torch.int8),
-        "version": shared(rollout, dtype=torch.int64),
-        "h0": shared(n, 512, dtype=torch.float32),
-    }
+        "step_count": shared(rollout, n, dtype=torch.int32), "action": shared(rollout, n, dtype=torch.int64),
+        "logprob": shared(rollout, n, dtype=torch.float32), "reward": shared(rollout, n, dtype=torch.float32),
+        "end": shared(rollout, n, dtype=torch.int8), "version": shared(rollout, dtype=torch.int64),
+        "h0": shared(n, 512, dtype=torch.float32)}
 
 
 OBS_FIELDS = ("chars", "colors", "blstats", "message")
@@ -382,6 +378,10 @@ def parse_args(argv=None) -> Args:
         fail(f"unknown task {args.task!r}; known tasks: {', '.join(envs.TASKS)}")
     if args.reward_type not in reward_models.REWARD_TYPES:
         fail(f"unknown reward type {args.reward_type!r}; choose one of {', '.join(reward_models.REWARD_TYPES)}")
+    gpu = torch.cuda.is_available() if args.device == "auto" else args.device.startswith("cuda")  # README: Performance
+    for name, value in dict(num_workers=max(1, (os.cpu_count() or 1) - 2 * gpu), num_envs_per_worker=64 if gpu else 16,
+                            batch_size=4096 if gpu else 1024).items():  # a resumed run has its own (not None)
+        setattr(args, name, value if getattr(args, name) is None else getattr(args, name))
     if args.num_workers < 1 or args.num_envs_per_worker < 2 or args.num_envs_per_worker % 2:
         fail("need --num-workers >= 1 and an even --num-envs-per-worker >= 2")
     if args.max_episode_steps < 1 or (args.llm_threads is not None and args.llm_threads < 1) or not 0 < args.reward_model_share <= 1:

@@ -644,6 +644,24 @@ def test_a_trainer_killed_by_sigkill_leaves_no_child_running(tmp_path):
     assert not left, [open(f"/proc/{pid}/cmdline").read().replace("\0", " ")[:100] for pid in left]
 
 
+def test_defaults_follow_the_device_and_a_resume_keeps_its_own(tmp_path, monkeypatch):
+    """On a GPU node the defaults were a laptop's: every core a worker (none left for the process that acts and
+    learns) and 16 envs per worker with batches of 1,024, 0.55 of the speed of 64 x 4,096 on an H200 (README)."""
+    import dataclasses
+    monkeypatch.setattr(oni_appo.os, "cpu_count", lambda: 16)
+    cpu, gpu = oni_appo.parse_args(["--device", "cpu"]), oni_appo.parse_args(["--device", "cuda:1"])
+    assert (cpu.num_workers, cpu.num_envs_per_worker, cpu.batch_size) == (16, 16, 1024)
+    assert (gpu.num_workers, gpu.num_envs_per_worker, gpu.batch_size) == (14, 64, 4096)
+    mine = oni_appo.parse_args(["--device", "cuda", "--num-workers", "3", "--num-envs-per-worker", "8", "--batch-size", "128"])
+    assert (mine.num_workers, mine.num_envs_per_worker, mine.batch_size) == (3, 8, 128)
+    path = str(tmp_path / "checkpoint.pt")  # a run started on a CPU, resumed on a GPU: the same batches
+    torch.save({"model": {}, "counters": {}, "args": dataclasses.asdict(cpu)}, path)
+    resumed = oni_appo.parse_args(["--resume", path, "--device", "cuda"])
+    assert (resumed.num_envs_per_worker, resumed.batch_size) == (16, 1024)
+    with pytest.raises(SystemExit, match="need --num-workers >= 1"):
+        oni_appo.parse_args(["--device", "cuda", "--num-envs-per-worker", "0"])
+
+
 def test_resume_applies_every_flag_given_even_at_its_default(tmp_path, capsys):
     """A flag given with its default value counted as not given: a run saved with 16 workers and 500,000 steps
     kept both under `--num-workers 2 --total-env-steps 2000000000` on a 2-core box, and could never leave --llm-url."""
@@ -652,7 +670,7 @@ def test_resume_applies_every_flag_given_even_at_its_default(tmp_path, capsys):
     saved = oni_appo.Args(reward_type="ranking", num_workers=16, total_env_steps=500_000, llm_url=["http://gpu:8000/v1"],
                           reward_model_share=0.5, run_dir=str(tmp_path))
     torch.save({"model": {}, "counters": {}, "args": dataclasses.asdict(saved)}, path)
-    defaults = oni_appo.Args()
+    defaults = oni_appo.parse_args(["--device", "cpu"])  # the defaults as resolved on this machine
     kept = oni_appo.parse_args(["--resume", path])  # nothing given: the saved values
     assert (kept.num_workers, kept.total_env_steps, kept.llm_url, kept.reward_model_share) == (16, 500_000, ["http://gpu:8000/v1"], 0.5)
     args = oni_appo.parse_args(["--resume", path, "--num-workers", str(defaults.num_workers), "--total_env_steps=2000000000",

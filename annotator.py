@@ -35,23 +35,19 @@ GOAL = "maximize the score: kill monsters, collect gold, go down the stairs, gai
 PROMPTS = {
     "label_system": "You are a fair and knowledgeable judge of progress in the game NetHack.",
     "label_user": (
-        "A player's goal in NetHack is to {goal}. During play the game showed this message:\n"
-        "\"{caption}\"\n"
-        "First recall what you know about NetHack that bears on this message, then judge in one "
-        "sentence whether the event it reports is a clear step towards the goal. Messages about "
-        "killing monsters, finding gold or items, descending, or levelling up are helpful; neutral, "
-        "routine, unlucky or harmful events are not. End with <label>FOO</label> if the message is "
-        "very helpful for progress, or <label>BAR</label> if it is not."),
+        "A player's goal in NetHack is to {goal}. During play the game showed this message:\n\"{caption}\"\n"
+        "First recall what you know about NetHack that bears on this message, then judge in one sentence whether the "
+        "event it reports is a clear step towards the goal. Messages about killing monsters, finding gold or items, "
+        "descending, or levelling up are helpful; neutral, routine, unlucky or harmful events are not. End with "
+        "<label>FOO</label> if the message is very helpful for progress, or <label>BAR</label> if it is not."),
     "pair_system": "You are a fair and knowledgeable judge of progress in the game NetHack.",
     "pair_user": (
         "A player's goal in NetHack is to {goal}. Here are two messages the game showed:\n"
         "description 1: \"{first}\"\ndescription 2: \"{second}\"\n"
-        "Think about what each tells about the player's progress, using your knowledge of NetHack. "
-        "Then answer with exactly one of (\"best_description\": 1), (\"best_description\": 2) or "
-        "(\"best_description\": None) if neither is better."),
-    "label_completion": (
-        "NetHack messages, and whether each one reports progress (killing monsters, gold, "
-        "descending, levelling up, finding things):\n{examples}Message: {caption}\nProgress:"),
+        "Think about what each tells about the player's progress, using your knowledge of NetHack. Then answer with "
+        "exactly one of (\"best_description\": 1), (\"best_description\": 2) or (\"best_description\": None) if neither is better."),
+    "label_completion": ("NetHack messages, and whether each one reports progress (killing monsters, gold, descending, "
+                         "levelling up, finding things):\n{examples}Message: {caption}\nProgress:"),
 }
 # A base model copies the labels of messages like the one asked far better than it applies a stated goal
 # (benchmarks/label_quality.py): a completion prompt shows, for each message, the labelled messages nearest to

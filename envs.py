@@ -34,13 +34,9 @@ ESC, SPACE, CAST, ENHANCE = 27, ord(" "), int(nethack.Command.CAST), int(nethack
 STONE_GLYPH = nethack.GLYPH_CMAP_OFF  # unexplored cells show the "dark part of a room"/stone glyph
 
 # goal: "score" (score delta with a frozen-time penalty), ("depth", n) or "oracle" (+50 and end).
-TASKS = {
-    "NetHackScoreExtendedActions-v1": "score",
-    "NetHackStaircaseExtendedActions-v1": ("depth", 2),
-    "NetHackStaircaseLvl3ExtendedActions-v1": ("depth", 3),
-    "NetHackStaircaseLvl4ExtendedActions-v1": ("depth", 4),
-    "NetHackOracleExtendedActions-v1": "oracle",
-}
+TASKS = {"NetHackScoreExtendedActions-v1": "score", "NetHackStaircaseExtendedActions-v1": ("depth", 2),
+         "NetHackStaircaseLvl3ExtendedActions-v1": ("depth", 3), "NetHackStaircaseLvl4ExtendedActions-v1": ("depth", 4),
+         "NetHackOracleExtendedActions-v1": "oracle"}
 X, Y, SCORE, DEPTH, GOLD, XLVL, TIME, DNUM, DLEVEL = (
     nethack.NLE_BL_X, nethack.NLE_BL_Y, nethack.NLE_BL_SCORE, nethack.NLE_BL_DEPTH, nethack.NLE_BL_GOLD,
     nethack.NLE_BL_XP, nethack.NLE_BL_TIME, nethack.NLE_BL_DNUM, nethack.NLE_BL_DLEVEL)
@@ -69,9 +65,8 @@ class NetHackTask(base.NLE):
         # fix_moon_phase: NetHack reads the wall clock (a full moon's +1 Luck changes prayer and combat; new
         # moon, Friday the 13th, night too); with it these follow the game's seeds, so a seed is one game on any date.
         # extra_keys: more of NLE's observations, in obs too (evaluate.py's replays read the terminal, tty_*)
-        super().__init__(character=character, max_episode_steps=max_episode_steps,
-                         observation_keys=OBS_KEYS + tuple(extra_keys), actions=ACTIONS,
-                         **{"fix_moon_phase": True, **nle_kwargs})
+        super().__init__(character=character, max_episode_steps=max_episode_steps, actions=ACTIONS,
+                         observation_keys=OBS_KEYS + tuple(extra_keys), **{"fix_moon_phase": True, **nle_kwargs})
         self.task, self.goal = task, TASKS[task]
         self.oracle_glyph = monster_glyph("Oracle") if self.goal == "oracle" else None
         self._seeds = np.random.default_rng(seed) if seed is not None else None
@@ -118,10 +113,9 @@ class NetHackTask(base.NLE):
             self._count_explored(np.frombuffer(self._map, np.int16), previous)  # the level left
         if done or success or truncated:
             self._count_explored(observation[self._glyph_index], blstats)
-            info["episode"] = {"return": self._return, "steps": self._steps, "success": float(success),
-                               "score": stats[SCORE], "depth": self._max_depth, "dlvl": stats[DEPTH],
-                               "xlvl": stats[XLVL], "gold": stats[GOLD], "kills": self._kills,
-                               "explored": sum(self._explored.values())}
+            info["episode"] = {"return": self._return, "steps": self._steps, "success": float(success), "score": stats[SCORE],
+                               "depth": self._max_depth, "dlvl": stats[DEPTH], "xlvl": stats[XLVL], "gold": stats[GOLD],
+                               "kills": self._kills, "explored": sum(self._explored.values())}
         if (success or truncated) and not done:
             # NLE refills its arrays in place: keep the last real observation (a truncated
             # episode bootstraps from it), then end the game cleanly.

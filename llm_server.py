@@ -111,8 +111,7 @@ def start(backend="llama_cpp", model=None, host="127.0.0.1", port=None, threads=
 
 
 def stop(process, timeout_s=10.0):
-    """Ends the server's whole process group (its own session): vLLM's engine runs in processes of
-    its own. SIGTERM first; SIGKILL for whatever is left after timeout_s."""
+    """Ends the server's process group (vLLM's engine has processes of its own): SIGTERM, SIGKILL after timeout_s."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(process.pid, sig)

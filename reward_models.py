@@ -70,11 +70,9 @@ class MessageEncoder(nn.Module):
     def __init__(self, channels=64):
         super().__init__()
         self.embed, c = nn.Embedding(256, 32), channels
-        self.convs = nn.Sequential(
-            nn.Conv1d(32, c, 7), nn.ReLU(), nn.MaxPool1d(3),
-            nn.Conv1d(c, c, 7), nn.ReLU(), nn.MaxPool1d(3),
-            nn.Conv1d(c, c, 3), nn.ReLU(), nn.Conv1d(c, c, 3), nn.ReLU(),
-            nn.Conv1d(c, c, 3), nn.ReLU(), nn.Conv1d(c, c, 3), nn.ReLU(), nn.MaxPool1d(3), nn.Flatten())
+        self.convs = nn.Sequential(nn.Conv1d(32, c, 7), nn.ReLU(), nn.MaxPool1d(3), nn.Conv1d(c, c, 7), nn.ReLU(),
+                                   nn.MaxPool1d(3), *[m for _ in range(4) for m in (nn.Conv1d(c, c, 3), nn.ReLU())],
+                                   nn.MaxPool1d(3), nn.Flatten())
         self.out = nn.Linear(c * 5, 128)  # 256 -> 250 -> 83 -> 77 -> 25 -> 17 -> 5 positions
 
     def forward(self, rows):

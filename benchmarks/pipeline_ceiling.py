@@ -92,6 +92,8 @@ class FreeAgent(nn.Module):
     def step(self, obs, h):  # repeat, not expand: a view of a parameter, even under no_grad, would carry its graph
         return self.logits.repeat(len(h), 1), self.value.repeat(len(h)), h  # into the buffers (as act's log-probs)
 
+    fast_step = step  # oni_appo.act's entry (a CUDA graph of step there)
+
     def unroll(self, obs, h0, cuts):
         steps, batch = obs["chars"].shape[:2]
         return self.logits.repeat(steps, batch, 1), self.value.repeat(steps, batch)

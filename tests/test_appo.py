@@ -689,3 +689,25 @@ def test_the_trainer_gets_the_reward_model_share(tmp_path, monkeypatch):
         run = oni_appo.set_up(oni_appo.parse_args(["--reward-type", "classification", *argv, "--run-dir", str(tmp_path / "r")]))
         run.writer.close()
         assert shares.pop() == share
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (run it on one: README, Tests)")
+def test_inference_from_cuda_graphs_equals_eager_inference_after_weight_updates():
+    """act() replays a CUDA graph per batch size; a graph that kept the weights it was captured with (were they
+    replaced, not copied into) or mixed up its sizes would act with a stale or wrong policy, off-policy unseen."""
+    torch.manual_seed(0)
+    learner, acting = oni_appo.Agent().cuda(), oni_appo.Agent().cuda().eval()
+    for n in (8, 24, 8, 24):
+        with torch.no_grad():
+            for p in learner.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+        acting.load_state_dict(learner.state_dict())  # as update_policy hands the weights over
+        obs = {"chars": torch.randint(32, 127, (n, 21, 79), dtype=torch.uint8, device="cuda"),
+               "colors": torch.randint(0, 16, (n, 21, 79), dtype=torch.uint8, device="cuda"),
+               "blstats": torch.randint(0, 20, (n, 27), device="cuda").float(),
+               "message": torch.randint(0, 127, (n, 256), dtype=torch.uint8, device="cuda")}
+        h = torch.randn(n, 512, device="cuda")
+        with torch.no_grad():
+            fast, eager = [t.clone() for t in acting.fast_step(obs, h)], acting.step(obs, h)
+        assert all(torch.equal(a, b) for a, b in zip(fast, eager))
+    assert sorted(acting.graphs) == [8, 24]

@@ -21,7 +21,8 @@ Plotting takes config dirs (holding seed*/episodes.jsonl) or run dirs (holding e
 OUT/curves.png: score, kills, depth, explored and intrinsic return against env steps; per seed the
 episodes' means in 25 equal bins of env steps, per config the mean over seeds (line) and their
 min-max (shaded). OUT/curves.md: per config the last-100-episode means (mean ± std over seeds).
---eval --record also writes the replay of each run's first evaluated episode (evaluate.py --record) to
+--eval-after N evaluates each run as soon as it is complete (and a complete one not yet evaluated), while its
+checkpoint, which is not committed, is still there. --eval --record also writes the replay of each run's first evaluated episode (evaluate.py --record) to
 RUN/replay and RUN/replay_random: episode0.html and NLE's episode0.ttyrec3.bz2.
 """
 import argparse
@@ -87,6 +88,7 @@ def run_all(args, extra):
             command = run_command(run_dir, task, reward, coef, seed, steps, extra)
             if command is None:
                 print(f"{name}/seed{seed}: complete ({steps:,} steps), skipped", flush=True)
+                evaluate_after(run_dir, args.eval_after)
                 continue
             os.makedirs(run_dir, exist_ok=True)
             episodes = os.path.join(run_dir, "episodes.jsonl")
@@ -106,7 +108,17 @@ def run_all(args, extra):
                       flush=True)
             else:
                 print(f"{name}/seed{seed}: done in {seconds:,.0f} s", flush=True)
+                evaluate_after(run_dir, args.eval_after)
     return failures
+
+
+def evaluate_after(run_dir, episodes):
+    """--eval-after: a complete run evaluated at once, while its checkpoint is here (checkpoints are not committed:
+    the runs of results/free_1m made before this flag lost theirs with their machine, and cannot be evaluated). The
+    seed's other runs are passed along, so that its random actions are played once (see evaluate)."""
+    if episodes and os.path.exists(os.path.join(run_dir, "checkpoint.pt")):  # with the other configs' runs of this
+        seed = glob.glob(os.path.join(os.path.dirname(os.path.dirname(run_dir)), "*", os.path.basename(run_dir)))
+        print(evaluate([d for d in seed if os.path.exists(os.path.join(d, "checkpoint.pt"))], episodes), flush=True)
 
 
 def load_episodes(path):
@@ -269,6 +281,8 @@ def main(argv=None):
     parser.add_argument("--eval", nargs="+", metavar="DIR", help="only evaluate these config or run dirs "
                         "(trained policy and random actions, --eval-episodes each) into OUT/eval.md")
     parser.add_argument("--eval-episodes", type=int, default=20)
+    parser.add_argument("--eval-after", type=int, default=0, metavar="EPISODES", help="evaluate each run over this "
+                        "many episodes once it is complete (eval.json, eval_random.json in its dir; 0: not)")
     parser.add_argument("--record", action="store_true", help="with --eval: also the replay of each run's first "
                         "episode, trained and random, in RUN/replay and RUN/replay_random")
     args = parser.parse_args(argv)

@@ -175,3 +175,31 @@ def test_eval_record_asks_for_the_first_episodes_replay(tmp_path, monkeypatch):
                     "--record"]) == 0
     assert [c[1:] for c in calls] == [["evaluate.py", str(run_dir), "--episodes", "3", "--record",
                                        str(run_dir / "replay"), "--record-episodes", "1"]]
+
+
+def test_eval_after_evaluates_each_run_once_complete_while_its_checkpoint_is_there(tmp_path, monkeypatch):
+    """--eval-after: results/free_1m's runs lost their checkpoints (not committed) before anyone evaluated them; a
+    run is now evaluated as soon as it completes, and a complete one that was not is evaluated on the next call.
+    Random actions are played once per seed: the second config's run copies the first's."""
+    out, EVAL_KEYS = tmp_path / "out", ("score", "kills", "depth", "explored", "steps")
+    calls = []
+
+    def fake_execute(command, log):
+        if command[1] == "oni_appo.py":  # a training run: it ends with a checkpoint and a complete summary
+            run_dir = command[command.index("--run-dir") + 1]
+            torch.save({"args": {"task": lc.SCORE, "seed": 1, "max_episode_steps": 100}}, f"{run_dir}/checkpoint.pt")
+            open(f"{run_dir}/summary.json", "w").write(json.dumps({"env_steps": 1000}))
+        else:
+            calls.append((os.path.basename(os.path.dirname(command[2])), "--random" in command))
+            name = "eval_random.json" if "--random" in command else "eval.json"
+            open(os.path.join(command[2], name), "w").write(json.dumps({"episodes": [{k: 1 for k in EVAL_KEYS}] * 5}))
+        return 0
+    monkeypatch.setattr(lc, "execute", fake_execute)
+    monkeypatch.setattr(lc, "report", lambda *a: None)
+    assert lc.main(["--configs", "free_none", "--steps", "1000", "--out", str(out), "--eval-after", "5"]) == 0
+    assert calls == [("free_none", False), ("free_none", True)]
+    assert lc.main(["--configs", "free_none", "free_retrieval", "--steps", "1000", "--out", str(out),
+                    "--eval-after", "5"]) == 0  # free_none complete and evaluated: only free_retrieval's policy
+    assert calls[2:] == [("free_retrieval", False)]
+    assert os.path.exists(out / "free_retrieval" / "seed1" / "eval_random.json")  # copied from free_none's
+    assert lc.main(["--configs", "free_none", "--steps", "1000", "--out", str(out)]) == 0 and len(calls) == 3

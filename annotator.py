@@ -305,7 +305,7 @@ def serve(*, urls, model, prompts, concurrency, run_dir, known, requests, table,
     latencies, counts = collections.deque(maxlen=1000), collections.Counter(stats.copy())  # counts go on
     # per server (a dead one must not stall the rest): the next pause, when this one ends, when it began
     pause_s, resume_at, paused_at = [1.0] * len(urls), [0.0] * len(urls), [0.0] * len(urls)
-    fatal, out = None, open(os.path.join(run_dir, LABELS_FILE), "a")
+    fatal, out = None, open(os.path.join(run_dir, LABELS_FILE), "a", buffering=1)  # line-buffered: a write is flushed
     pool = concurrent.futures.ThreadPoolExecutor(concurrency)  # a thread per request in flight
 
     def enqueue(item):
@@ -377,7 +377,6 @@ def serve(*, urls, model, prompts, concurrency, run_dir, known, requests, table,
         if answered:  # one round trip and one write for all of this turn's answers
             table.put(answered)
             out.write("".join(json.dumps(record) + "\n" for _, record in answered))
-            out.flush()
             counts["labels"] += len(answered)
         ordered = sorted(latencies) or [0.0]
         stats.update(dict(counts), backlog=len(backlog), in_flight=len(in_flight),

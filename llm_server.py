@@ -51,8 +51,7 @@ def build_command(backend, model, host, port, threads=None, tensor_parallel_size
     if backend not in BACKENDS:
         raise SystemExit(f"error: unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if importlib.util.find_spec(backend) is None:
-        hint = ("pip install vllm (on the GPU node; it brings its own CUDA torch)" if backend == "vllm"
-                else "pip install 'llama-cpp-python[server]'")
+        hint = "pip install vllm (on the GPU node)" if backend == "vllm" else "pip install 'llama-cpp-python[server]'"
         raise SystemExit(f"error: backend {backend} is not installed: {hint}")
     if backend == "llama_cpp":
         model = model or embedded_model_path()

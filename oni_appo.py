@@ -157,7 +157,7 @@ class Agent(nn.Module):
         self.gru = nn.GRUCell(hidden, hidden)
         self.actor = layer_init(nn.Linear(hidden, num_actions), std=0.01)
         self.critic = layer_init(nn.Linear(hidden, 1), std=1.0)
-        self.graphs = {}  # batch size -> fast_step's CUDA graph, its inputs and its outputs
+        self.graphs, self.graph_pool = {}, None  # fast_step's: batch size -> CUDA graph, inputs, outputs; their memory
 
     def encode(self, obs):
         """obs: chars/colors [N,21,79] uint8, blstats [N,27], message [N,256] -> [N, hidden]."""
@@ -179,19 +179,22 @@ class Agent(nn.Module):
         return self.actor(h), self.critic(h).squeeze(-1), h
 
     def fast_step(self, obs, h):
-        """step() replayed from a CUDA graph captured for this batch size: the same kernels on the same weights
-        (load_state_dict copies in place), bit-identical, 2-6x faster on an H200 (benchmarks/act_cost.py)."""
+        """step() under no_grad, replayed from a CUDA graph captured for this batch size: the same kernels on the same
+        weights (load_state_dict copies in place), bit-identical, 2-6x faster on an H200 (benchmarks/act_cost.py)."""
         if h.device.type != "cuda":
             return self.step(obs, h)
-        if len(h) not in self.graphs:
-            inputs, graph = ({k: v.clone() for k, v in obs.items()}, h.clone()), torch.cuda.CUDAGraph()
-            self.step(*inputs)  # a warm-up: cuDNN and cuBLAS set themselves up outside the capture
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # the learner thread goes on meanwhile
-                self.graphs[len(h)] = graph, inputs, self.step(*inputs)
-        graph, (obs_in, h_in), outputs = self.graphs[len(h)]
-        torch._foreach_copy_([*obs_in.values(), h_in], [*obs.values(), h])  # this call's inputs into the graph's
-        graph.replay()
-        return outputs  # overwritten by the next replay: act() is done with them by then
+        with torch.no_grad(), torch.cuda.device(h.device):  # capture and replay on h's GPU, not the current one
+            if len(h) not in self.graphs:
+                inputs, graph = ({k: v.clone() for k, v in obs.items()}, h.clone()), torch.cuda.CUDAGraph()
+                self.step(*inputs)  # a warm-up: cuDNN and cuBLAS make their handles outside the capture
+                self.graph_pool = self.graph_pool or torch.cuda.graph_pool_handle()  # one pool for every size
+                with torch.cuda.graph(graph, pool=self.graph_pool, capture_error_mode="thread_local"):  # (the learner
+                    outputs = self.step(*inputs)  # thread goes on meanwhile: only this thread's work is captured)
+                self.graphs[len(h)] = graph, inputs, outputs  # kept once captured
+            graph, (obs_in, h_in), outputs = self.graphs[len(h)]
+            torch._foreach_copy_([*obs_in.values(), h_in], [*(obs[k] for k in obs_in), h])  # inputs in, by name
+            graph.replay()
+        return outputs  # rewritten by the next replay of any size (they share memory): act() is done with them by then
 
     def unroll(self, obs, h0, cuts):
         """obs: [T+1, B, ...]; cuts[t]: the state resets before obs t+1. Returns logits [T+1, B, A], values [T+1, B]."""
@@ -397,13 +400,13 @@ def parse_args(argv=None) -> Args:
     for name, value in dict(num_workers=max(1, (os.cpu_count() or 1) - 2 * gpu), num_envs_per_worker=64 if gpu else 16,
                             batch_size=4096 if gpu else 1024).items():  # a resumed run has its own (not None)
         setattr(args, name, value if getattr(args, name) is None else getattr(args, name))
-    if args.num_workers < 1 or args.num_envs_per_worker < 2 or args.num_envs_per_worker % 2:
-        fail("need --num-workers >= 1 and an even --num-envs-per-worker >= 2")
+    if args.num_workers < 1 or args.num_envs_per_worker < 2 or args.num_envs_per_worker % 2 or args.batch_size < 1:
+        fail("need --num-workers >= 1, an even --num-envs-per-worker >= 2 and --batch-size >= 1")
     if args.max_episode_steps < 1 or (args.llm_threads is not None and args.llm_threads < 1) or not 0 < args.reward_model_share <= 1:
         fail("need --max-episode-steps >= 1, --llm-threads >= 1 and 0 < --reward-model-share <= 1")
     slot_steps = args.rollout * args.num_envs_per_worker // 2
     if args.batch_size % slot_steps:
-        fail(f"--batch-size must be a multiple of rollout * num_envs_per_worker / 2 = {slot_steps}")
+        fail(f"--batch-size ({args.batch_size}) must be a multiple of rollout * num_envs_per_worker / 2 = {slot_steps}")
     if args.extrinsic_coef is None:
         args.extrinsic_coef = 0.1 if args.task.startswith("NetHackScore") else 10.0
     if args.run_dir is None:
@@ -660,10 +663,9 @@ def learn(run):
         while (ids := next_batch(run)) is not None:
             batch, step_message, env_ids, lag = take_batch(run, ids)
             started = time.perf_counter()
-            rewards, paid, reward_stats = run.intrinsic.rewards(batch["reward"], step_message, batch["step_count"],
-                                                                batch["end"] == End.TERMINATED)
-            add_intrinsic_episodes(run.intrinsic_totals, run.finished, paid, batch["end"], env_ids)
             terminal = batch["end"] == End.TERMINATED  # summary.json's means are over steps, not over batches
+            rewards, paid, reward_stats = run.intrinsic.rewards(batch["reward"], step_message, batch["step_count"], terminal)
+            add_intrinsic_episodes(run.intrinsic_totals, run.finished, paid, batch["end"], env_ids)
             run.sums.update(lag_sum=lag.sum().item(), lag_steps=lag.numel(), terminal_paid=paid[terminal].sum().item(),
                             terminal_steps=terminal.sum().item())
             run.sums["max_reward"] = max(run.sums.get("max_reward", -math.inf), paid.max().item())

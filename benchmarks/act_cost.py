@@ -1,13 +1,14 @@
-"""What one inference call of the acting loop costs on a device, by batch size, and what a CUDA graph would save.
+"""What one inference call of the acting loop costs on a device, by batch size, eager and from CUDA graphs.
 
     python benchmarks/act_cost.py --device cuda --batches 32 64 128 256 512 896
 
-Per batch size (envs in one call of `oni_appo.act`): the whole call as act made it before it replayed CUDA graphs (observations to
-the device, the GRU state's reset, `Agent.step`, Gumbel-max sampling with CPU noise, actions and log-probs back),
-`Agent.step` alone, and, on CUDA, `Agent.fast_step`: step replayed from the CUDA graph captured for that batch size,
-as act calls it now (its outputs checked against the eager ones). Median of --repeats timed calls after warm-up, each ended by a synchronize. Random observations of
-the real shapes; the policy is oni_appo.Agent, untrained. On a GPU node `act` bounds the pipeline (README,
-Performance: "On a GPU node"), and a small batch's forward is its ~90 kernel launches whatever its size.
+Per batch size (envs in one call of `oni_appo.act`): act's sequence (observations to the device, the GRU state's
+reset, the policy's step, Gumbel-max sampling with CPU noise, actions and log-probs back) with `Agent.step` and with
+`Agent.fast_step` (the step replayed from the CUDA graph captured for that batch size, as act calls it), then the two
+steps alone, and the largest difference between their outputs. Median of --repeats timed calls after a warm-up, each
+ended by a synchronize. Random observations of the real shapes; the policy is oni_appo.Agent, untrained. On a GPU
+node `act` bounded the pipeline (README, Performance: "On a GPU node"): an eager step of a small batch costs its
+~90 kernel launches whatever its size.
 """
 import argparse
 import os

@@ -11,7 +11,8 @@ export PYTHONUNBUFFERED=1
 nvidia-smi -L 2>/dev/null; echo "$(nproc) cores, $workers env workers"
 timeout 120 python3 benchmarks/pipeline_ceiling.py --threads 1 --num-workers "$workers" --num-envs-per-worker 16 64 \
     --batch-size 1024 4096 --seconds 5 2>&1 | tee "$out/ceiling.log"
-timeout 180 python3 benchmarks/throughput.py --num-workers "$workers" --steps 400000 --raw-seconds 5 --llm stub \
+timeout 180 python3 benchmarks/throughput.py --num-workers "$workers" --num-envs-per-worker 16 --batch-size 1024 \
+    --steps 400000 --raw-seconds 5 --llm stub \
     2>&1 | tee "$out/throughput_16envs.log"
 timeout 100 python3 benchmarks/throughput.py --num-workers "$workers" --num-envs-per-worker 64 --batch-size 4096 \
     --steps 800000 --raw-seconds 2 2>&1 | tee "$out/throughput_64envs.log"

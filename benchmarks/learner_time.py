@@ -49,6 +49,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=50_000)
     parser.add_argument("--num-workers", type=int, default=2)
+    parser.add_argument("--oni-args", default="", help="more flags of oni_appo.py, e.g. '--num-envs-per-worker 16 "
+                        "--batch-size 1024' (on a GPU its defaults are 64 and 4096)")
     args = parser.parse_args()
     for owner, name in TIMED:
         setattr(owner, name, timed(getattr(owner, name), f"{getattr(owner, '__name__', '')}.{name}".lstrip(".")))
@@ -61,7 +63,8 @@ def main():
         SPENT.clear()
         summary = oni_appo.train(oni_appo.parse_args(
             ["--reward-type", kind, *extra, "--total-env-steps", str(args.steps), "--num-workers", str(args.num_workers),
-             "--run-dir", tempfile.mkdtemp(prefix="oni-learner-time-"), "--checkpoint-every-s", "1e9"]))
+             "--run-dir", tempfile.mkdtemp(prefix="oni-learner-time-"), "--checkpoint-every-s", "1e9",
+             *args.oni_args.split()]))
         columns[kind] = {key: 1e3 * value / summary["updates"] for key, value in SPENT.items()}
         columns[kind]["steps/s"] = summary.get("session_sps", summary["sps"])  # collected a second
     stub.terminate()

@@ -22,8 +22,9 @@ OUT/curves.png: score, kills, depth, explored and intrinsic return against env s
 episodes' means in 25 equal bins of env steps, per config the mean over seeds (line) and their
 min-max (shaded). OUT/curves.md: per config the last-100-episode means (mean ± std over seeds).
 --eval-after N evaluates each run as soon as it is complete (and a complete one not yet evaluated), while its
-checkpoint, which is not committed, is still there. --eval --record also writes the replay of each run's first evaluated episode (evaluate.py --record) to
-RUN/replay and RUN/replay_random: episode0.html and NLE's episode0.ttyrec3.bz2.
+checkpoint, which is not committed, is still there. --eval --record also writes the replay of each run's first
+evaluated episode (evaluate.py --record) to RUN/replay and RUN/replay_random: episode0.html and NLE's
+episode0.ttyrec3.bz2.
 """
 import argparse
 import glob

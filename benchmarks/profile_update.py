@@ -14,7 +14,7 @@ torch's FlopCounterMode, forward and backward) over its time, beside a 1024x1024
 on the same threads. Their quotient is how much faster the same operations could run on these cores if
 every operation ran at matrix-product speed and nothing else took time: the bound on a faster update that
 does the same operations on a CPU (a different formulation of the same math could do fewer). The
-matrix-product rate is taken after every update, under the same load. Then the policy's inference (`Agent.step`, as `act` runs it) in us per env step by
+matrix-product rate is taken after every update, under the same load. Then the policy's inference (`Agent.step`, as `act` runs it on a CPU) in us per env step by
 batch size. --bf16 also times forward + backward under torch's CPU bfloat16 autocast, alternated with
 float32, with both losses and the gradients' relative difference: faster, but not the same math.
 """

@@ -81,11 +81,12 @@ def collection_run(oni_argv):
 
 
 def train(extra, steps, workers, envs_per_worker, root=ROOT, collection=False, batch_size=None):
+    """One oni_appo.py run; envs_per_worker and batch_size None: oni_appo's defaults (on a GPU 64 and 4096)."""
     run_dir = tempfile.mkdtemp(prefix="oni-bench-")
-    extra = [*extra, "--batch-size", str(batch_size)] if batch_size else extra
+    extra = [*extra, *(["--batch-size", str(batch_size)] if batch_size else []),
+             *(["--num-envs-per-worker", str(envs_per_worker)] if envs_per_worker else [])]
     program = [os.path.abspath(__file__), "--collection-run"] if collection else [os.path.join(root, "oni_appo.py")]
-    command = [sys.executable, *program, "--total-env-steps", str(steps),
-               "--num-workers", str(workers), "--num-envs-per-worker", str(envs_per_worker),
+    command = [sys.executable, *program, "--total-env-steps", str(steps), "--num-workers", str(workers),
                "--run-dir", run_dir, "--checkpoint-every-s", "1e9", *extra]
     result = subprocess.run(command, capture_output=True, text=True, cwd=root)
     if result.returncode:
@@ -109,7 +110,8 @@ def compare(baseline, args):
     results = {"this tree": [], baseline: []}
     for _ in range(args.repeats):
         for name, root in (("this tree", ROOT), (baseline, tree)):
-            s = train(["--reward-type", "none"], args.steps, args.num_workers, args.num_envs_per_worker, root)
+            s = train(["--reward-type", "none"], args.steps, args.num_workers, args.num_envs_per_worker, root,
+                      batch_size=args.batch_size)
             results[name].append(s)
             print(f"  {name:12s} {s['sps']:8,.0f} steps/s  policy lag {s['lag_mean']:.2f}", flush=True)
     mean = {k: {m: sum(s[m] for s in v) / len(v) for m in ("sps", "lag_mean")} for k, v in results.items()}
@@ -124,7 +126,7 @@ def main():
         return collection_run(sys.argv[2:])
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--num-workers", type=int, default=os.cpu_count())
-    parser.add_argument("--num-envs-per-worker", type=int, default=16)
+    parser.add_argument("--num-envs-per-worker", type=int, default=None, help="default: oni_appo's (16; 64 on a GPU)")
     parser.add_argument("--batch-size", type=int, default=None, help="oni_appo's --batch-size (default: its own)")
     parser.add_argument("--steps", type=int, default=50_000, help="env steps per training run")
     parser.add_argument("--raw-seconds", type=float, default=10.0)

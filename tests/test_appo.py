@@ -255,8 +255,9 @@ def test_sigterm_saves_a_checkpoint_and_stops_the_workers(tmp_path):
 @pytest.mark.parametrize("argv,message", [
     (["--task", "NoSuchTask-v0"], "error: unknown task 'NoSuchTask-v0'; known tasks: NetHackScoreExtendedActions-v1"),
     (["--reward-type", "bogus"], "error: unknown reward type 'bogus'; choose one of none, retrieval"),
-    (["--num-envs-per-worker", "3"], "error: need --num-workers >= 1 and an even --num-envs-per-worker"),
-    (["--batch-size", "100"], "error: --batch-size must be a multiple of"),
+    (["--num-envs-per-worker", "3"], "error: need --num-workers >= 1, an even --num-envs-per-worker >= 2 and --batch-size"),
+    (["--batch-size", "0"], "error: need --num-workers >= 1, an even --num-envs-per-worker >= 2 and --batch-size >= 1"),
+    (["--batch-size", "100"], "error: --batch-size (100) must be a multiple of"),
     (["--resume", "/nonexistent/run"], "error: no checkpoint at /nonexistent/run"),
     (["--device", "nonsense"], "error: cannot use device 'nonsense'"),
     (["--max-episode-steps", "0"], "error: need --max-episode-steps >= 1, --llm-threads >= 1 and 0 < --reward-model-share"),

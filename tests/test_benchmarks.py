@@ -15,7 +15,9 @@ def test_profile_update_times_every_stage_of_a_real_update():
                                             "backward", "clip + Adam step", "weights to the acting agent"]
     stages_ms = [float(r[1]) for r in rows]
     update_ms = float(result.stdout.split("median of 2: ")[1].split(" ms")[0])
-    assert all(ms >= 0 for ms in stages_ms) and abs(sum(stages_ms) - update_ms) < 1  # the stages make the update
+    # the stages make the update; the second is a difference of two timings (forward + loss minus the encoder's own
+    # forward, timed apart), which a loaded box can make negative, so only the timed ones must be >= 0
+    assert all(ms >= 0 for i, ms in enumerate(stages_ms) if i != 1) and abs(sum(stages_ms) - update_ms) < 1
 
 
 def test_profile_update_counts_the_update_arithmetic_and_times_bf16():

@@ -203,3 +203,19 @@ def test_eval_after_evaluates_each_run_once_complete_while_its_checkpoint_is_the
     assert calls[2:] == [("free_retrieval", False)]
     assert os.path.exists(out / "free_retrieval" / "seed1" / "eval_random.json")  # copied from free_none's
     assert lc.main(["--configs", "free_none", "--steps", "1000", "--out", str(out)]) == 0 and len(calls) == 3
+
+
+def test_eval_after_leaves_a_run_in_progress_alone(tmp_path, monkeypatch):
+    """A run still training has a periodic checkpoint: --eval-after of another config must not evaluate it."""
+    out = tmp_path / "out"
+    os.makedirs(out / "free_none" / "seed1")
+    torch.save({"args": {"task": lc.SCORE, "seed": 1}}, out / "free_none" / "seed1" / "checkpoint.pt")  # in progress
+    done = out / "free_retrieval" / "seed1"
+    os.makedirs(done)
+    torch.save({"args": {"task": lc.SCORE, "seed": 1}}, done / "checkpoint.pt")
+    (done / "summary.json").write_text(json.dumps({"env_steps": 1000}))
+    calls = []
+    monkeypatch.setattr(lc, "execute", lambda command, log: calls.append(command[2]) or 0)
+    monkeypatch.setattr(lc, "report", lambda *a: None)
+    assert lc.main(["--configs", "free_retrieval", "--steps", "1000", "--out", str(out), "--eval-after", "5"]) == 0
+    assert calls == [str(done), str(done)]  # its policy and random actions, nothing of free_none's

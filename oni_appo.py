@@ -157,7 +157,7 @@ class Agent(nn.Module):
         self.gru = nn.GRUCell(hidden, hidden)
         self.actor = layer_init(nn.Linear(hidden, num_actions), std=0.01)
         self.critic = layer_init(nn.Linear(hidden, 1), std=1.0)
-        self.graphs, self.graph_pool = {}, None  # fast_step's: batch size -> CUDA graph, inputs, outputs; their memory
+        self.graphs, self.capture = {}, None  # fast_step's: batch size -> CUDA graph, inputs, outputs; (pool, stream)
 
     def encode(self, obs):
         """obs: chars/colors [N,21,79] uint8, blstats [N,27], message [N,256] -> [N, hidden]."""
@@ -179,17 +179,17 @@ class Agent(nn.Module):
         return self.actor(h), self.critic(h).squeeze(-1), h
 
     def fast_step(self, obs, h):
-        """step() under no_grad, replayed from a CUDA graph captured for this batch size: the same kernels on the same
-        weights (load_state_dict copies in place), bit-identical, 2-6x faster on an H200 (benchmarks/act_cost.py)."""
+        """step(); on a GPU under no_grad, replayed from a CUDA graph captured for this batch size: the same kernels on
+        the same weights (load_state_dict copies in place), bit-identical, 2-6x faster on an H200 (act_cost.py)."""
         if h.device.type != "cuda":
             return self.step(obs, h)
         with torch.no_grad(), torch.cuda.device(h.device):  # capture and replay on h's GPU, not the current one
             if len(h) not in self.graphs:
                 inputs, graph = ({k: v.clone() for k, v in obs.items()}, h.clone()), torch.cuda.CUDAGraph()
                 self.step(*inputs)  # a warm-up: cuDNN and cuBLAS make their handles outside the capture
-                self.graph_pool = self.graph_pool or torch.cuda.graph_pool_handle()  # one pool for every size
-                with torch.cuda.graph(graph, pool=self.graph_pool, capture_error_mode="thread_local"):  # (the learner
-                    outputs = self.step(*inputs)  # thread goes on meanwhile: only this thread's work is captured)
+                self.capture = self.capture or (torch.cuda.graph_pool_handle(), torch.cuda.Stream(h.device))  # all sizes share
+                with torch.cuda.graph(graph, *self.capture, capture_error_mode="thread_local"):  # the learner thread goes
+                    outputs = self.step(*inputs)  # on meanwhile: only this thread's work is captured
                 self.graphs[len(h)] = graph, inputs, outputs  # kept once captured
             graph, (obs_in, h_in), outputs = self.graphs[len(h)]
             torch._foreach_copy_([*obs_in.values(), h_in], [*(obs[k] for k in obs_in), h])  # inputs in, by name
@@ -400,8 +400,8 @@ def parse_args(argv=None) -> Args:
     for name, value in dict(num_workers=max(1, (os.cpu_count() or 1) - 2 * gpu), num_envs_per_worker=64 if gpu else 16,
                             batch_size=4096 if gpu else 1024).items():  # a resumed run has its own (not None)
         setattr(args, name, value if getattr(args, name) is None else getattr(args, name))
-    if args.num_workers < 1 or args.num_envs_per_worker < 2 or args.num_envs_per_worker % 2 or args.batch_size < 1:
-        fail("need --num-workers >= 1, an even --num-envs-per-worker >= 2 and --batch-size >= 1")
+    if min(args.num_workers, args.rollout, args.batch_size, args.num_envs_per_worker - 1) < 1 or args.num_envs_per_worker % 2:
+        fail("need --num-workers, --rollout, --batch-size >= 1 and an even --num-envs-per-worker >= 2")
     if args.max_episode_steps < 1 or (args.llm_threads is not None and args.llm_threads < 1) or not 0 < args.reward_model_share <= 1:
         fail("need --max-episode-steps >= 1, --llm-threads >= 1 and 0 < --reward-model-share <= 1")
     slot_steps = args.rollout * args.num_envs_per_worker // 2

@@ -95,6 +95,8 @@ def run_all(args, extra):
             episodes = os.path.join(run_dir, "episodes.jsonl")
             if "--run-dir" in command and os.path.exists(episodes):  # a fresh start must not append to old episodes
                 os.replace(episodes, episodes + ".old")
+            if os.path.exists(os.path.join(run_dir, "eval.json")):  # an evaluation of a policy that trains on
+                os.replace(os.path.join(run_dir, "eval.json"), os.path.join(run_dir, "eval.json.old"))
             print(f"{name}/seed{seed}: start {' '.join(command[1:])}", flush=True)
             start = time.time()
             with open(os.path.join(run_dir, "console.log"), "a") as log:
@@ -109,7 +111,8 @@ def run_all(args, extra):
                       flush=True)
             else:
                 print(f"{name}/seed{seed}: done in {seconds:,.0f} s", flush=True)
-                evaluate_after(run_dir, args.eval_after)
+                if run_command(run_dir, task, reward, coef, seed, steps, extra) is None:  # complete, not stopped
+                    evaluate_after(run_dir, args.eval_after)
     return failures
 
 
@@ -243,8 +246,14 @@ def evaluate(dirs, episodes, record=False):
     from the run's seed; done once for the runs of one task and seed), unless done (with record: and their
     first episode's replay); then one markdown table of the means +- std over episodes."""
     rows = ["| run | policy | episodes | score | kills | depth | explored | steps |", "|---|---|---|---|---|---|---|---|"]
-    shared = {}  # (task, seed, episode limit) -> an eval_random.json (see random_games)
-    for run_dir in sorted(d for path in dirs for d in glob.glob(os.path.join(path, "seed*")) or [path]):
+    run_dirs = sorted(d for path in dirs for d in glob.glob(os.path.join(path, "seed*")) or [path])
+    shared = {}  # (task, seed, episode limit) -> an eval_random.json of those games (see random_games)
+    for d in run_dirs:  # those played already, first: a run sorted before them must not play them again
+        path = os.path.join(d, "eval_random.json")
+        if not record and os.path.exists(path) and len(json.load(open(path))["episodes"]) == episodes:
+            shared.setdefault(random_games(d), path)
+    shared.pop(None, None)  # a run without its checkpoint cannot say which games it played
+    for run_dir in run_dirs:
         for random, name in ((False, "eval.json"), (True, "eval_random.json")):
             flags, replay = ["--random"] * random, os.path.join(run_dir, "replay_random" if random else "replay")
             if record:

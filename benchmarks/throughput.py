@@ -107,11 +107,13 @@ def compare(baseline, args):
     if not os.path.exists(tree):
         subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", tree, baseline], check=True,
                        capture_output=True)
+    import oni_appo  # both trees run this tree's configuration: the defaults of envs and batch changed in 53085a2
+    resolved = oni_appo.parse_args(["--num-workers", str(args.num_workers)])
+    envs_per_worker, batch_size = args.num_envs_per_worker or resolved.num_envs_per_worker, args.batch_size or resolved.batch_size
     results = {"this tree": [], baseline: []}
     for _ in range(args.repeats):
         for name, root in (("this tree", ROOT), (baseline, tree)):
-            s = train(["--reward-type", "none"], args.steps, args.num_workers, args.num_envs_per_worker, root,
-                      batch_size=args.batch_size)
+            s = train(["--reward-type", "none"], args.steps, args.num_workers, envs_per_worker, root, batch_size=batch_size)
             results[name].append(s)
             print(f"  {name:12s} {s['sps']:8,.0f} steps/s  policy lag {s['lag_mean']:.2f}", flush=True)
     mean = {k: {m: sum(s[m] for s in v) / len(v) for m in ("sps", "lag_mean")} for k, v in results.items()}

@@ -255,8 +255,9 @@ def test_sigterm_saves_a_checkpoint_and_stops_the_workers(tmp_path):
 @pytest.mark.parametrize("argv,message", [
     (["--task", "NoSuchTask-v0"], "error: unknown task 'NoSuchTask-v0'; known tasks: NetHackScoreExtendedActions-v1"),
     (["--reward-type", "bogus"], "error: unknown reward type 'bogus'; choose one of none, retrieval"),
-    (["--num-envs-per-worker", "3"], "error: need --num-workers >= 1, an even --num-envs-per-worker >= 2 and --batch-size"),
-    (["--batch-size", "0"], "error: need --num-workers >= 1, an even --num-envs-per-worker >= 2 and --batch-size >= 1"),
+    (["--num-envs-per-worker", "3"], "error: need --num-workers, --rollout, --batch-size >= 1 and an even --num-envs-per"),
+    (["--batch-size", "0"], "error: need --num-workers, --rollout, --batch-size >= 1 and an even --num-envs-per-worker >= 2"),
+    (["--rollout", "0"], "error: need --num-workers, --rollout, --batch-size >= 1"),
     (["--batch-size", "100"], "error: --batch-size (100) must be a multiple of"),
     (["--resume", "/nonexistent/run"], "error: no checkpoint at /nonexistent/run"),
     (["--device", "nonsense"], "error: cannot use device 'nonsense'"),
@@ -659,7 +660,7 @@ def test_defaults_follow_the_device_and_a_resume_keeps_its_own(tmp_path, monkeyp
     torch.save({"model": {}, "counters": {}, "args": dataclasses.asdict(cpu)}, path)
     resumed = oni_appo.parse_args(["--resume", path, "--device", "cuda"])
     assert (resumed.num_envs_per_worker, resumed.batch_size) == (16, 1024)
-    with pytest.raises(SystemExit, match="need --num-workers >= 1"):
+    with pytest.raises(SystemExit, match="need --num-workers, --rollout, --batch-size >= 1"):
         oni_appo.parse_args(["--device", "cuda", "--num-envs-per-worker", "0"])
 
 

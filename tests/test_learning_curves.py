@@ -219,3 +219,50 @@ def test_eval_after_leaves_a_run_in_progress_alone(tmp_path, monkeypatch):
     monkeypatch.setattr(lc, "report", lambda *a: None)
     assert lc.main(["--configs", "free_retrieval", "--steps", "1000", "--out", str(out), "--eval-after", "5"]) == 0
     assert calls == [str(done), str(done)]  # its policy and random actions, nothing of free_none's
+
+
+def test_random_actions_played_before_are_reused_whatever_the_order(tmp_path, monkeypatch):
+    """A run sorted before one already evaluated played the random games again (free_none after free_retrieval)."""
+    EVAL_KEYS = ("score", "kills", "depth", "explored", "steps")
+    first, evaluated = tmp_path / "free_none" / "seed3", tmp_path / "free_retrieval" / "seed3"
+    for run in (first, evaluated):
+        os.makedirs(run)
+        torch.save({"args": {"task": lc.SCORE, "seed": 3, "max_episode_steps": 100}}, run / "checkpoint.pt")
+    for name in ("eval.json", "eval_random.json"):
+        (evaluated / name).write_text(json.dumps({"episodes": [{k: 1 for k in EVAL_KEYS}] * 4}))
+    calls = []
+
+    def fake_execute(command, log):
+        calls.append((command[2], "--random" in command))
+        (first / "eval.json").write_text(json.dumps({"episodes": [{k: 2 for k in EVAL_KEYS}] * 4}))
+        return 0
+    monkeypatch.setattr(lc, "execute", fake_execute)
+    lc.evaluate([str(first), str(evaluated)], 4)
+    assert calls == [(str(first), False)]  # its policy only
+    assert (first / "eval_random.json").read_text() == (evaluated / "eval_random.json").read_text()
+
+
+def test_eval_after_skips_a_stopped_run_and_a_resume_sets_its_evaluation_aside(tmp_path, monkeypatch):
+    """A run stopped by SIGTERM exits 0 with a checkpoint short of its steps: it was evaluated as if final, and
+    that evaluation stayed once the resumed run completed."""
+    out = tmp_path / "out"
+    run = out / "free_none" / "seed1"
+    calls = []
+
+    def fake_execute(command, log):
+        calls.append(command[1])
+        if command[1] == "oni_appo.py":
+            torch.save({"args": {"task": lc.SCORE, "seed": 1}}, run / "checkpoint.pt")
+            steps = 1000 if "--resume" in command else 400  # the first session is stopped at 400 steps
+            (run / "summary.json").write_text(json.dumps({"env_steps": steps}))
+        else:
+            (run / ("eval_random.json" if "--random" in command else "eval.json")).write_text(json.dumps(
+                {"episodes": [dict.fromkeys(("score", "kills", "depth", "explored", "steps"), 1)] * 5}))
+        return 0
+    monkeypatch.setattr(lc, "execute", fake_execute)
+    monkeypatch.setattr(lc, "report", lambda *a: None)
+    argv = ["--configs", "free_none", "--steps", "1000", "--out", str(out), "--eval-after", "5"]
+    assert lc.main(argv) == 0 and calls == ["oni_appo.py"]  # stopped: not evaluated
+    (run / "eval.json").write_text(json.dumps({"episodes": []}))  # as an earlier version evaluated it
+    assert lc.main(argv) == 0 and calls[1:] == ["oni_appo.py", "evaluate.py", "evaluate.py"]
+    assert os.path.exists(run / "eval.json.old")

@@ -119,11 +119,12 @@ def run_all(args, extra):
 def evaluate_after(run_dir, episodes):
     """--eval-after: a complete run evaluated at once, while its checkpoint is here (checkpoints are not committed:
     the runs of results/free_1m made before this flag lost theirs with their machine, and cannot be evaluated). The
-    seed's other runs are passed along, so that its random actions are played once (see evaluate)."""
-    if episodes and os.path.exists(os.path.join(run_dir, "checkpoint.pt")):  # with this seed's evaluated runs (not one
+    seed's runs evaluated already are passed along (not one in progress), so that its random actions are played once
+    (see evaluate)."""
+    if episodes and os.path.exists(os.path.join(run_dir, "checkpoint.pt")):
         seed = glob.glob(os.path.join(os.path.dirname(os.path.dirname(run_dir)), "*", os.path.basename(run_dir)))
         print(evaluate([d for d in seed if d == run_dir or os.path.exists(os.path.join(d, "eval_random.json"))
-                        and os.path.exists(os.path.join(d, "checkpoint.pt"))], episodes), flush=True)  # in progress)
+                        and os.path.exists(os.path.join(d, "checkpoint.pt"))], episodes), flush=True)
 
 
 def load_episodes(path):

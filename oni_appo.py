@@ -2,9 +2,9 @@
 
     python oni_appo.py --reward-type ranking
 
-Env worker processes step their envs in two halves (double buffering) into shared-memory rollout buffers; the main
-thread acts for whichever halves are ready, a learner thread trains on full rollouts, and `annotator.py` (a
-subprocess) asks the LLM server about the messages the agent sees. See README.md.
+Env worker processes step their envs in two halves (double buffering) into shared-memory rollout buffers; an acting
+process acts for the halves that are ready; this, the learner's process, trains on full rollouts and hands the new
+weights back; `annotator.py` (a subprocess) asks the LLM server about the messages the agent sees. See README.md.
 """
 import collections
 import contextlib
@@ -14,13 +14,12 @@ import json
 import math
 import multiprocessing.connection
 import os
-import queue
 import signal
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch: idle OpenMP threads must not spin (README)
 import numpy as np
 import torch
 import torch.multiprocessing as mp
@@ -111,6 +110,7 @@ RESUME_OVERRIDES = ("total_env_steps", "num_workers", "device", "track", "llm_ur
 LLM_COUNTS = ("requests", "labels", "failures", "parse_failures", "dropped", "restarts")  # summed over resumes
 CROP = 12  # the paper's crop of the map around the agent
 TORCH_THREADS = torch.get_num_threads()  # the learner's, read before any thread changes the default
+LOCK_WAIT_S = 10.0  # a copy of the weights takes ~1 ms: a lock held this long is held by a process that died
 
 
 class End(enum.IntEnum):
@@ -188,8 +188,8 @@ class Agent(nn.Module):
                 inputs, graph = ({k: v.clone() for k, v in obs.items()}, h.clone()), torch.cuda.CUDAGraph()
                 self.step(*inputs)  # a warm-up: cuDNN and cuBLAS make their handles outside the capture
                 self.capture = self.capture or (torch.cuda.graph_pool_handle(), torch.cuda.Stream(h.device))  # all sizes share
-                with torch.cuda.graph(graph, *self.capture, capture_error_mode="thread_local"):  # the learner thread goes
-                    outputs = self.step(*inputs)  # on meanwhile: only this thread's work is captured
+                with torch.cuda.graph(graph, *self.capture, capture_error_mode="thread_local"):  # only this thread's
+                    outputs = self.step(*inputs)  # work is captured, whatever other threads do on the GPU
                 self.graphs[len(h)] = graph, inputs, outputs  # kept once captured
             graph, (obs_in, h_in), outputs = self.graphs[len(h)]
             torch._foreach_copy_([*obs_in.values(), h_in], [*(obs[k] for k in obs_in), h])  # inputs in, by name
@@ -275,51 +275,43 @@ def env_worker(index, task, seed, num_envs, buffers, conn, max_episode_steps=env
     """Steps half of its envs per command (half, buffer, t): the actions at [buffer, t] in; reward, end code and the
     step's own message at t and the next observation at t+1 out (t=-1: a reset into 0). A death or success resets at
     once (obs t+1 starts the next episode); a truncation shows its last observation, then resets (end code RESET)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process handles Ctrl-C
     torch.set_num_threads(1)
-    bufs = {k: v.numpy() for k, v in buffers.items()}
-    half_size = num_envs // 2
+    bufs, half_size, needs_reset = {k: v.numpy() for k, v in buffers.items()}, num_envs // 2, [False] * num_envs
     seeds = [seed + index * num_envs + i for i in range(num_envs)]
     pool = [envs.make_env(task, seed=s, max_episode_steps=max_episode_steps) for s in seeds]
-    needs_reset = [False] * num_envs
-    while True:
-        try:
-            command = conn.recv()
-        except (EOFError, OSError):  # the main process is gone: never outlive it
-            break
-        if command is None:
-            break
-        half, b, t = command
-        episodes = []
-        for j, i in enumerate(range(half * half_size, (half + 1) * half_size)):  # j: the env's column in the buffers
-            reward, end, message, count, stepped = 0.0, End.RESET, 0, 1, False  # a reset step produced no message
-            try:
-                if t < 0 or needs_reset[i]:
+    with contextlib.suppress(EOFError, OSError):  # the acting process is gone (killed): never outlive it
+        while (command := conn.recv()) is not None:
+            half, b, t = command
+            episodes = []
+            for j, i in enumerate(range(half * half_size, (half + 1) * half_size)):  # j: its column in the buffers
+                reward, end, message, count, stepped = 0.0, End.RESET, 0, 1, False  # a reset step produced no message
+                try:
+                    if t < 0 or needs_reset[i]:
+                        (obs, _), needs_reset[i] = pool[i].reset(), False
+                    else:
+                        obs, reward, terminated, truncated, info = pool[i].step(bufs["action"][b, t, j])
+                        end = End.TERMINATED if terminated else End.TRUNCATED if truncated else End.RUNNING
+                        message, count, stepped = obs["message"].copy(), info["message_count"], True  # reset refills it
+                        if terminated or truncated:
+                            episodes.append((i, info["episode"]))
+                        if terminated:
+                            obs, _ = pool[i].reset()
+                        needs_reset[i] = truncated
+                except Exception as error:  # a crashed game must not stop the run: replace it
+                    print(f"worker {index}: env {i} crashed ({error!r}); recreating it", file=sys.stderr)
+                    with contextlib.suppress(Exception):
+                        pool[i].close()
+                    seeds[i] += 1_000_003  # another stream of games
+                    pool[i] = envs.make_env(task, seed=seeds[i], max_episode_steps=max_episode_steps)
                     (obs, _), needs_reset[i] = pool[i].reset(), False
-                else:
-                    obs, reward, terminated, truncated, info = pool[i].step(bufs["action"][b, t, j])
-                    end = End.TERMINATED if terminated else End.TRUNCATED if truncated else End.RUNNING
-                    message, count, stepped = obs["message"].copy(), info["message_count"], True  # reset refills obs
-                    if terminated or truncated:
-                        episodes.append((i, info["episode"]))
-                    if terminated:
-                        obs, _ = pool[i].reset()
-                    needs_reset[i] = truncated
-            except Exception as error:  # a crashed game must not stop the run: replace it
-                print(f"worker {index}: env {i} crashed ({error!r}); recreating it", file=sys.stderr)
-                with contextlib.suppress(Exception):
-                    pool[i].close()
-                seeds[i] += 1_000_003  # another stream of games
-                pool[i] = envs.make_env(task, seed=seeds[i], max_episode_steps=max_episode_steps)
-                (obs, _), needs_reset[i] = pool[i].reset(), False
-                if not stepped:  # else the step ended its episode and only the reset failed: keep it
-                    reward, end = 0.0, End.RESET
-            for k in OBS_FIELDS:  # t = -1 (the first reset) writes at 0
-                bufs[k][b, t + 1, j] = obs[k]
-            if t >= 0:
-                bufs["step_message"][b, t, j], bufs["step_count"][b, t, j] = message, count
-                bufs["reward"][b, t, j], bufs["end"][b, t, j] = reward, end
-        conn.send((half, episodes))
+                    if not stepped:  # else the step ended its episode and only the reset failed: keep it
+                        reward, end = 0.0, End.RESET
+                for k in OBS_FIELDS:  # t = -1 (the first reset) writes at 0
+                    bufs[k][b, t + 1, j] = obs[k]
+                if t >= 0:
+                    bufs["step_message"][b, t, j], bufs["step_count"][b, t, j] = message, count
+                    bufs["reward"][b, t, j], bufs["end"][b, t, j] = reward, end
+            conn.send((half, episodes))
     for env in pool:
         env.close()
 
@@ -429,31 +421,48 @@ def pick_device(name):
     return torch.device(name)
 
 
+class SharedWeights:
+    """The learner's weights in shared memory for the acting process: written whole with their version (the updates
+    that made them) under a lock, and copied whole under it, so inference never acts on half an update."""
+
+    def __init__(self, agent, version):
+        self.tensors = {k: v.detach().cpu().clone().share_memory_() for k, v in agent.state_dict().items()}
+        self.version, self.lock = torch.tensor([version]).share_memory_(), mp.get_context("spawn").Lock()
+
+    def push(self, agent, version):
+        if self.lock.acquire(timeout=LOCK_WAIT_S):  # else the acting process died holding it: next_message says so
+            torch._foreach_copy_(list(self.tensors.values()), list(agent.state_dict().values()))
+            self.version[0] = version
+            self.lock.release()
+
+    def pull(self, agent, version) -> int:
+        """Newer weights copied into agent (in place: act's CUDA graphs read them there); returns their version."""
+        if int(self.version[0]) != version and self.lock.acquire(timeout=LOCK_WAIT_S):  # else the learner is gone
+            agent.load_state_dict(self.tensors)
+            version = int(self.version[0])
+            self.lock.release()
+        return version
+
+
 @dataclass
 class Run:
-    """What the inference loop (main thread) and the learner thread share during training."""
+    """The learner's side of training, this process. The acting process (Acting) shares with it the rollout buffers,
+    the weights, the stop and two pipes: full rollouts to the learner, free buffers back; each has its own GIL."""
     args: Args
     device: torch.device
-    agent: Agent  # the learner's; acting_agent: its copy for inference, refreshed after every update
-    acting_agent: Agent
+    agent: Agent
     optimizer: torch.optim.Optimizer
     intrinsic: reward_models.IntrinsicReward
     client: annotator.LabelClient | None  # the annotator's: label requests out, labels in
     writer: object  # tensorboard's SummaryWriter; wandb syncs from it with --track
-    counters: dict  # env_steps, updates (= the policy version), episodes
+    counters: dict  # env_steps (collected: the acting process's count), updates (= the policy version), episodes
     saved_totals: dict  # the run's totals up to the checkpoint it resumed from (run_totals adds this session's)
     updates: collections.deque = field(default_factory=collections.deque)  # figures of each update, for the log
     losses: dict = field(default_factory=dict)
     sums: collections.Counter = field(default_factory=collections.Counter)  # this session's learner sums, see learn()
-    error: BaseException | None = None  # a learner crash or fatal LLM error, re-raised by the main thread
-    worker_failure: str | None = None
-    start_time: float = field(default_factory=time.time)  # train() sets it again once the workers run
-    # the optimizer step, the inference copy and the counters change together under it: checkpoints see whole updates
-    weights_lock: threading.Lock = field(default_factory=threading.Lock)
-    stop: threading.Event = field(default_factory=threading.Event)
-    checkpoint_due: threading.Event = field(default_factory=threading.Event)
-    free: queue.Queue = field(default_factory=queue.Queue)  # buffers to fill
-    full: queue.Queue = field(default_factory=queue.Queue)  # complete rollouts, in the order they ended
+    failure: str | None = None  # a fatal LLM error, an env worker or the acting process gone: saved, then said
+    start_time: float = field(default_factory=time.time)  # train() sets it again once the acting process runs
+    stop: object = field(default_factory=lambda: mp.get_context("spawn").RawValue("b", 0))  # .value: set by either
 
     def __post_init__(self):
         args = self.args
@@ -462,16 +471,12 @@ class Run:
         self.buffers_per_batch = args.batch_size // (args.rollout * self.envs_per_slot)
         # slots in flight + one batch, which fills while the learner learns; more would only add policy lag
         self.buffers = make_buffers(num_slots + self.buffers_per_batch, args.rollout, self.envs_per_slot)
-        for b in range(num_slots, len(self.buffers["h0"])):  # slot s starts in buffer s
-            self.free.put(b)
-        self.start_steps = self.counters["env_steps"]  # this session's, for steps/s
-        self.start_learned = self.counters["updates"] * args.batch_size
-        self.slot_buffer, self.slot_t = list(range(num_slots)), [0] * num_slots
-        self.buffer_slot = list(range(num_slots)) + [0] * self.buffers_per_batch  # which slot filled each buffer
-        self.hidden = torch.zeros(num_slots, self.envs_per_slot, self.agent.gru.hidden_size, device=self.device)
-        # each slot samples from its own stream: the same seed gives the same actions whichever slots are batched
-        self.samplers = [torch.Generator().manual_seed(args.seed * 1_000_003 + 7919 * s + self.counters["updates"])
-                         for s in range(num_slots)]
+        self.weights = SharedWeights(self.agent, self.counters["updates"])
+        (self.full, self.full_out), (self.free_in, self.free) = mp.Pipe(duplex=False), mp.Pipe(duplex=False)
+        self.free.send(list(range(num_slots, len(self.buffers["h0"]))))  # slot s starts in buffer s
+        self.acting = mp.get_context("spawn").Process(target=act_process, args=(  # not a daemon: it starts the workers
+            args, self.buffers, self.weights, self.full_out, self.free_in, self.stop, self.counters["env_steps"]))
+        self.start_steps, self.start_learned = self.counters["env_steps"], self.counters["updates"] * args.batch_size
         # per env, the workers' finished episodes and the learner's intrinsic totals of them, joined in the log
         self.pending, self.finished = ([collections.deque() for _ in range(num_envs)] for _ in range(2))
         self.intrinsic_totals = np.zeros((num_envs, 3))  # of the episodes in progress
@@ -479,23 +484,19 @@ class Run:
 
 def train(args):
     run = set_up(args)
-    conns, workers = start_workers(run)
-    (learner := threading.Thread(target=learn, args=(run,), daemon=True)).start()
-    stop_on_signals(run.stop)
+    start_acting(run)
     run.start_time = time.time()
     print(f"training {args.task} with reward {args.reward_type}: {args.num_workers} workers x "
           f"{args.num_envs_per_worker} envs on {run.device}; run dir {args.run_dir}", flush=True)
     try:
-        collect(run, conns)
+        learn(run)
+    except SystemExit as error:  # a fatal LLM error: saved and said by finish()
+        run.failure = str(error).removeprefix("error: ")
     finally:
-        run.stop.set()
-        learner.join()  # it stops after the update at hand, so the last checkpoint sees a whole one
-        stop_workers(conns, workers)
+        end_acting(run)
         if run.client is not None:
             run.client.close()
         run.intrinsic.close()
-    if run.error is not None and not isinstance(run.error, SystemExit):
-        raise run.error
     return finish(run)
 
 
@@ -504,7 +505,7 @@ def set_up(args) -> Run:
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
     device = pick_device(args.device)
-    agent, acting_agent = Agent().to(device), Agent().to(device).eval()
+    agent = Agent().to(device)
     optimizer = torch.optim.Adam(agent.parameters(), lr=args.lr, eps=1e-5)
     counters, saved_totals = {"env_steps": 0, "updates": 0, "episodes": 0}, {}
     intrinsic = reward_models.IntrinsicReward(args, device)
@@ -525,7 +526,6 @@ def set_up(args) -> Run:
             rewrite(labels, [json.dumps(r) + "\n" for r in records])  # whole lines only: the annotator appends
         intrinsic.load_state_dict(checkpoint.get("intrinsic", {}))
         print(f"resumed from {args.resume} at {counters['env_steps']:,} env steps")
-    acting_agent.load_state_dict(agent.state_dict())
     client = annotator.LabelClient(args) if args.reward_type in reward_models.NEEDS_LLM else None
     from torch.utils.tensorboard import SummaryWriter
     if args.track:
@@ -540,7 +540,62 @@ def set_up(args) -> Run:
     if client is not None:  # the annotator subprocess and, without --llm-url, the embedded server
         client.start(args.run_dir, known=intrinsic.known_keys())
     intrinsic.start(args.reward_model_share)
-    return Run(args, device, agent, acting_agent, optimizer, intrinsic, client, writer, counters, saved_totals)
+    return Run(args, device, agent, optimizer, intrinsic, client, writer, counters, saved_totals)
+
+
+def start_acting(run):
+    """Starts the acting process ignoring Ctrl-C and SIGTERM, as its env workers then do (both reach the whole group
+    from a terminal or a scheduler): this process alone stops them, with the stop flag, at an update's end."""
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_IGN)  # inherited at the spawn: no child dies mid-import either
+    run.acting.start()
+
+    def request_stop(signum, frame):
+        if run.stop.value:
+            raise KeyboardInterrupt
+        print(f"\nsignal {signum}: stopping, saving a checkpoint (again to abort)", flush=True)
+        run.stop.value = 1
+    signal.signal(signal.SIGINT, request_stop)
+    signal.signal(signal.SIGTERM, request_stop)
+
+
+def end_acting(run):
+    """Stops the acting process; its last message brings the steps and episodes of its last moments."""
+    run.stop.value, deadline = 1, time.time() + 60
+    while (run.acting.is_alive() or run.full.poll()) and next_message(run, 0.1)[0] != "end" and time.time() < deadline:
+        pass
+    run.acting.join(timeout=10)
+    run.acting.kill()  # wedged (a no-op for one that ended)
+
+
+class Acting:
+    """The acting process's side: the env workers' slots, each filling a rollout buffer, and the policy it acts with.
+    full: ("rollout", (buffer, slot), episodes, env steps) per full rollout, to the learner; free: buffers, from it."""
+
+    def __init__(self, args, buffers, weights, full, free, stop, env_steps):
+        self.args, self.buffers, self.weights, self.full, self.free = args, buffers, weights, full, free
+        self.stop, self.env_steps, self.device, num_slots = stop, env_steps, pick_device(args.device), 2 * args.num_workers
+        self.agent = Agent().to(self.device).eval()
+        self.version = weights.pull(self.agent, -1)  # of the weights in agent: the number of updates that made them
+        self.envs_per_slot, self.free_buffers, self.episodes = args.num_envs_per_worker // 2, [], []
+        self.slot_buffer, self.slot_t = list(range(num_slots)), [0] * num_slots
+        self.hidden = torch.zeros(num_slots, self.envs_per_slot, self.agent.gru.hidden_size, device=self.device)
+        # each slot samples from its own stream: the same seed gives the same actions whichever slots are batched
+        self.samplers = [torch.Generator().manual_seed(args.seed * 1_000_003 + 7919 * s + self.version)
+                         for s in range(num_slots)]
+
+
+def act_process(*shared):
+    """The acting process (shared: Acting's arguments): it acts for the ready slots, hands full rollouts over."""
+    torch.set_num_threads(1)  # its CPU ops are small: more threads only wake each other (README: Performance)
+    run = Acting(*shared)
+    conns, workers = start_workers(run)
+    try:  # an exception prints its traceback, and the learner, finding this process gone, stops the run
+        collect(run, conns)
+    finally:
+        stop_workers(conns, workers)
+        with contextlib.suppress(OSError):  # the learner is gone (kill -9)
+            run.full.send(("end", None, run.episodes, run.env_steps))
 
 
 def start_workers(run):
@@ -548,25 +603,14 @@ def start_workers(run):
     args, ctx, conns, workers = run.args, mp.get_context("spawn"), [], []
     for w in range(args.num_workers):
         parent, child = ctx.Pipe()
-        proc = ctx.Process(target=env_worker, daemon=True,
-                           args=(w, args.task, args.seed * 1_000_003 + run.counters["updates"],
-                                 args.num_envs_per_worker, run.buffers, child, args.max_episode_steps))
+        proc = ctx.Process(target=env_worker, daemon=True, args=(w, args.task, args.seed * 1_000_003 + run.version,
+                           args.num_envs_per_worker, run.buffers, child, args.max_episode_steps))
         proc.start()
         conns.append(parent)
         workers.append(proc)
     for s in range(len(run.slot_buffer)):  # every slot resets its envs into its first buffer
         conns[s // 2].send((s % 2, run.slot_buffer[s], -1))
     return conns, workers
-
-
-def stop_on_signals(stop):
-    def request_stop(signum, frame):
-        if stop.is_set():
-            raise KeyboardInterrupt
-        print(f"\nsignal {signum}: stopping, saving a checkpoint (again to abort)", flush=True)
-        stop.set()
-    signal.signal(signal.SIGINT, request_stop)
-    signal.signal(signal.SIGTERM, request_stop)
 
 
 def stop_workers(conns, workers):
@@ -579,54 +623,52 @@ def stop_workers(conns, workers):
 
 
 def collect(run, conns):
-    """Until the step budget or a stop: act for ready slots, hand full rollouts to the learner, log, checkpoint."""
-    waiting, last_log, last_checkpoint = [], time.time(), time.time()
-    while learned_steps(run) < run.args.total_env_steps and not run.stop.is_set():
+    """Until stopped: act for ready slots, hand full rollouts to the learner."""
+    waiting = []
+    while not run.stop.value:
         ready = waiting + receive(run, conns)  # slots that waited for a free buffer first
         # back-pressure: a slot at the end of its rollout waits while no buffer is free (the learner is behind)
         waiting = [s for s in ready if run.slot_t[s] == run.args.rollout and not hand_over(run, s)]
         acting = [s for s in ready if s not in waiting]
         if acting:
             act(run, conns, acting)
-        now = time.time()
-        if now - last_log > 5 and run.counters["updates"] > 0:
-            log_progress(run, join_episodes(run.pending, run.finished), now)
-            last_log = now
-        if now - last_checkpoint > run.args.checkpoint_every_s:
-            run.checkpoint_due.set()  # the learner saves between two updates
-            last_checkpoint = now
 
 
 def receive(run, conns):
-    """The slots whose envs finished a step, and the episodes those steps ended."""
-    ready = []
-    for conn in multiprocessing.connection.wait(conns, timeout=0.1):
+    """The slots whose envs finished a step (the episodes those steps ended noted); free buffers from the learner."""
+    ready, learner = [], multiprocessing.parent_process().sentinel
+    if learner in (signalled := multiprocessing.connection.wait([*conns, run.free, learner], timeout=0.1)):
+        run.stop.value = 1  # the learner's process is gone (kill -9): never outlive it
+        return []
+    for conn in signalled:
+        if conn is run.free:
+            run.free_buffers += run.free.recv()
+            continue
         w = conns.index(conn)
         while conn.poll():
             try:
                 half, episodes = conn.recv()
             except (EOFError, OSError):
-                run.worker_failure = f"env worker {w} died"
-                run.stop.set()
+                run.full.send(("failure", f"env worker {w} died", [], run.env_steps))
+                run.stop.value = 1
                 break
             ready.append(2 * w + half)
-            for i, episode in episodes:
-                run.pending[w * run.args.num_envs_per_worker + i].append(dict(episode, env_steps=run.counters["env_steps"]))
-            run.counters["episodes"] += len(episodes)
+            run.episodes += [(w * run.args.num_envs_per_worker + i, dict(episode, env_steps=run.env_steps))
+                             for i, episode in episodes]
     return ready
 
 
 def hand_over(run, s):
-    """Slot s's rollout is full: queue it for the learner, go on in a free buffer (False: none is free)."""
-    if run.free.empty():  # only this thread takes from it: not empty now, not empty at the get
+    """Slot s's rollout is full: send it to the learner, go on in a free buffer (False: none is free)."""
+    if not run.free_buffers:
         return False
-    new, old, T = run.free.get_nowait(), run.slot_buffer[s], run.args.rollout
+    new, old, T = run.free_buffers.pop(), run.slot_buffer[s], run.args.rollout
     run.hidden[s] = carry_state(run.hidden[s], run.buffers["end"][old, T - 1])
     for k in OBS_FIELDS:
         run.buffers[k][new, 0] = run.buffers[k][old, T]
     run.buffers["h0"][new] = run.hidden[s].cpu()
-    run.full.put(old)
-    run.slot_buffer[s], run.slot_t[s], run.buffer_slot[new] = new, 0, s
+    run.full.send(("rollout", (old, s), run.episodes, run.env_steps))
+    run.slot_buffer[s], run.slot_t[s], run.episodes = new, 0, []
     return True
 
 
@@ -639,9 +681,9 @@ def act(run, conns, slots):
     # at t = 0 the state was carried over at the hand-over; after that, reset where an episode ended
     prev_end = torch.where(ts[:, None] > 0, buffers["end"][bs, (ts - 1).clamp(min=0)], End.RUNNING)
     h = carry_state(run.hidden[slots], prev_end.to(run.device))
-    with torch.no_grad(), run.weights_lock:
-        logits, _, h_new = run.acting_agent.fast_step(obs, h.flatten(0, 1))
-        version = run.counters["updates"]
+    run.version = run.weights.pull(run.agent, run.version)  # the newest whole update
+    with torch.no_grad():
+        logits, _, h_new = run.agent.fast_step(obs, h.flatten(0, 1))
     # Gumbel-max sampling from each slot's own stream of noise
     noise = torch.cat([torch.rand(n, logits.shape[1], generator=run.samplers[s]) for s in slots])
     log_probs = torch.log_softmax(logits.float(), dim=-1)
@@ -649,69 +691,86 @@ def act(run, conns, slots):
     run.hidden[slots] = h_new.view(len(slots), n, -1)
     buffers["action"][bs, ts] = action.view(len(slots), n).cpu()
     buffers["logprob"][bs, ts] = log_probs.gather(-1, action[:, None]).view(len(slots), n).cpu()
-    buffers["version"][bs, ts] = version
+    buffers["version"][bs, ts] = run.version
     for s, (b, t) in zip(slots, places):
-        conns[s // 2].send((s % 2, b, t))
+        with contextlib.suppress(OSError):  # a worker that died: receive() finds its pipe closed and stops the run
+            conns[s // 2].send((s % 2, b, t))
         run.slot_t[s] = t + 1
-    run.counters["env_steps"] += len(slots) * n
+    run.env_steps += len(slots) * n
 
 
 def learn(run):
-    """Batches of full rollouts -> rewards (extrinsic + intrinsic) -> one APPO update; then the new LLM labels go in."""
+    """Batches of full rollouts -> rewards (extrinsic + intrinsic) -> one APPO update -> the new weights to the acting
+    process; then the new LLM labels go in. Logs and checkpoints come between two updates, so checkpoints see whole
+    updates."""
     torch.set_num_threads(TORCH_THREADS)  # the reward-model trainer's setting must not become this thread's
-    try:
-        while (ids := next_batch(run)) is not None:
-            batch, step_message, env_ids, lag = take_batch(run, ids)
-            started = time.perf_counter()
-            terminal = batch["end"] == End.TERMINATED  # summary.json's means are over steps, not over batches
-            rewards, paid, reward_stats = run.intrinsic.rewards(batch["reward"], step_message, batch["step_count"], terminal)
-            add_intrinsic_episodes(run.intrinsic_totals, run.finished, paid, batch["end"], env_ids)
-            run.sums.update(lag_sum=lag.sum().item(), lag_steps=lag.numel(), terminal_paid=paid[terminal].sum().item(),
-                            terminal_steps=terminal.sum().item())
-            run.sums["max_reward"] = max(run.sums.get("max_reward", -math.inf), paid.max().item())
-            intrinsic_done = time.perf_counter()
-            losses = update_policy(run, batch, rewards)
-            if run.client is not None:  # where labels enter the reward, and captions leave for the LLM
-                if run.client.check():  # a fatal LLM error stops the run; a dead annotator is restarted, and asked
-                    run.client.request(*run.intrinsic.unanswered())  # again what its backlog and requests held
-                run.intrinsic.add_labels(run.client.new_records())
-                run.client.request(*run.intrinsic.label_requests())
-            run.losses = dict(losses, **run.intrinsic.train_stats(), time_intrinsic_s=intrinsic_done - started,
-                              time_policy_s=time.perf_counter() - intrinsic_done)
-            run.updates.append(dict(reward_stats, lag_mean=lag.mean().item(), lag_max=lag.max().item()))
-    except BaseException as error:  # surfaced in the main thread, with a checkpoint for a fatal LLM error
-        run.error = error
-        run.stop.set()
-        if not isinstance(error, SystemExit):
-            raise
+    last_log = last_checkpoint = time.time()
+    while (rollouts := next_batch(run)) is not None:
+        batch, step_message, env_ids, lag = take_batch(run, rollouts)
+        started = time.perf_counter()
+        terminal = batch["end"] == End.TERMINATED  # summary.json's means are over steps, not over batches
+        rewards, paid, reward_stats = run.intrinsic.rewards(batch["reward"], step_message, batch["step_count"], terminal)
+        add_intrinsic_episodes(run.intrinsic_totals, run.finished, paid, batch["end"], env_ids)
+        run.sums.update(lag_sum=lag.sum().item(), lag_steps=lag.numel(), terminal_paid=paid[terminal].sum().item(),
+                        terminal_steps=terminal.sum().item())
+        run.sums["max_reward"] = max(run.sums.get("max_reward", -math.inf), paid.max().item())
+        intrinsic_done = time.perf_counter()
+        losses = update_policy(run, batch, rewards)
+        if run.client is not None:  # where labels enter the reward, and captions leave for the LLM
+            if run.client.check():  # a fatal LLM error stops the run; a dead annotator is restarted, and asked
+                run.client.request(*run.intrinsic.unanswered())  # again what its backlog and requests held
+            run.intrinsic.add_labels(run.client.new_records())
+            run.client.request(*run.intrinsic.label_requests())
+        run.losses = dict(losses, **run.intrinsic.train_stats(), time_intrinsic_s=intrinsic_done - started,
+                          time_policy_s=time.perf_counter() - intrinsic_done)
+        run.updates.append(dict(reward_stats, lag_mean=lag.mean().item(), lag_max=lag.max().item()))
+        if (now := time.time()) - last_log > 5:
+            log_progress(run, join_episodes(run.pending, run.finished), now)
+            last_log = now
+        if now - last_checkpoint > run.args.checkpoint_every_s:
+            save(run)
+            last_checkpoint = now
+
+
+def next_message(run, timeout):
+    """The acting process's next message (kind, what) or (None, None); steps, episodes noted; a failure stops."""
+    if not run.full.poll(timeout):
+        if not run.acting.is_alive():
+            run.failure = run.failure or "the acting process died"
+            run.stop.value = 1
+        return None, None
+    kind, what, episodes, run.counters["env_steps"] = run.full.recv()
+    for env, episode in episodes:
+        run.pending[env].append(episode)
+    run.counters["episodes"] += len(episodes)
+    if kind == "failure":
+        run.failure = run.failure or what
+        run.stop.value = 1
+    return kind, what
 
 
 def next_batch(run):
-    """The ids of the next buffers_per_batch complete rollouts (None once stopped); checkpoints when due."""
-    ids = []
-    while len(ids) < run.buffers_per_batch:
-        if run.stop.is_set():
+    """The (buffer, slot) of the next buffers_per_batch full rollouts; None once stopped or every step is learned."""
+    rollouts = []
+    while len(rollouts) < run.buffers_per_batch:
+        if run.stop.value or learned_steps(run) >= run.args.total_env_steps:
             return None
-        if run.checkpoint_due.is_set():
-            run.checkpoint_due.clear()
-            save(run)
-        with contextlib.suppress(queue.Empty):
-            ids.append(run.full.get(timeout=0.5))
-    return ids
+        if (message := next_message(run, 0.5))[0] == "rollout":
+            rollouts.append(message[1])
+    return rollouts
 
 
-def take_batch(run, ids):
+def take_batch(run, rollouts):
     """Copies the rollouts out of their buffers ([buffer, t, env] -> [t, buffer * env]) and frees them."""
-    index = torch.tensor(ids)  # each rollout is one slice of its buffer: stacked, not gathered by index (13x faster)
-    rollouts = {k: torch.stack([v[b] for b in ids], 1).flatten(1, 2) for k, v in run.buffers.items() if k not in ("h0", "version")}
-    batch = {k: rollouts[k].to(run.device) for k in ("action", "logprob", "end", "reward", "step_count")}
-    batch["obs"] = {k: rollouts[k].to(run.device) for k in OBS_FIELDS}
-    batch["h0"] = run.buffers["h0"][index].flatten(0, 1).to(run.device)
-    env_ids = np.concatenate([run.buffer_slot[b] * run.envs_per_slot + np.arange(run.envs_per_slot) for b in ids])
-    lag = run.counters["updates"] - run.buffers["version"][index].float()
-    for b in ids:
-        run.free.put(b)
-    return batch, rollouts["step_message"], env_ids, lag  # the messages stay on the CPU: np.unique finds them there
+    ids = [b for b, _ in rollouts]  # each rollout is one slice of its buffer: stacked, not gathered by index (13x faster)
+    data = {k: torch.stack([v[b] for b in ids], 1).flatten(1, 2) for k, v in run.buffers.items() if k not in ("h0", "version")}
+    batch = {k: data[k].to(run.device) for k in ("action", "logprob", "end", "reward", "step_count")}
+    batch["obs"] = {k: data[k].to(run.device) for k in OBS_FIELDS}
+    batch["h0"] = run.buffers["h0"][ids].flatten(0, 1).to(run.device)
+    env_ids = np.concatenate([s * run.envs_per_slot + np.arange(run.envs_per_slot) for _, s in rollouts])
+    lag = run.counters["updates"] - run.buffers["version"][ids].float()
+    run.free.send(ids)
+    return batch, data["step_message"], env_ids, lag  # the messages stay on the CPU: np.unique finds them there
 
 
 def update_policy(run, batch, rewards):
@@ -719,10 +778,9 @@ def update_policy(run, batch, rewards):
     run.optimizer.zero_grad(set_to_none=True)
     loss.backward()
     losses["grad_norm"] = nn.utils.clip_grad_norm_(run.agent.parameters(), run.args.max_grad_norm).item()
-    with run.weights_lock:
-        run.optimizer.step()
-        run.acting_agent.load_state_dict(run.agent.state_dict())
-        run.counters["updates"] += 1
+    run.optimizer.step()
+    run.counters["updates"] += 1
+    run.weights.push(run.agent, run.counters["updates"])
     return losses
 
 
@@ -743,10 +801,9 @@ def run_totals(run, llm) -> dict:
 
 def save(run):
     totals = run_totals(run, run.client.stats() if run.client is not None else {})
-    with run.weights_lock:
-        state = dict(model=run.agent.state_dict(), optimizer=run.optimizer.state_dict(),  # a resume collects again
-                     counters=dict(run.counters, env_steps=learned_steps(run)),  # what was not learned
-                     args=dataclasses.asdict(run.args), intrinsic=run.intrinsic.state_dict(), totals=totals)
+    state = dict(model=run.agent.state_dict(), optimizer=run.optimizer.state_dict(),  # a resume collects again
+                 counters=dict(run.counters, env_steps=learned_steps(run)),  # what was not learned
+                 args=dataclasses.asdict(run.args), intrinsic=run.intrinsic.state_dict(), totals=totals)
     path = os.path.join(run.args.run_dir, "checkpoint.pt")
     torch.save(state, path + ".tmp")
     os.replace(path + ".tmp", path)  # never leave a half-written checkpoint
@@ -812,9 +869,8 @@ def finish(run):
     with open(os.path.join(args.run_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     run.writer.close()
-    failure = str(run.error).removeprefix("error: ") if isinstance(run.error, SystemExit) else run.worker_failure
-    if failure:
-        fail(f"{failure}; checkpoint saved, continue with --resume {args.run_dir}")
+    if run.failure:
+        fail(f"{run.failure}; checkpoint saved, continue with --resume {args.run_dir}")
     print(f"done: {summary['env_steps']:,} env steps, {summary['session_sps']:,.0f} steps/s; "
           f"{args.run_dir}/summary.json", flush=True)
     return summary

@@ -2,21 +2,23 @@
 
     python benchmarks/pipeline_ceiling.py                                  # 2 workers x 16/64/256 envs x 3 batch sizes
     python benchmarks/pipeline_ceiling.py --num-workers 2 16 --num-envs-per-worker 256 --batch-size 16384 --seconds 10
-    python benchmarks/pipeline_ceiling.py --baseline a1d9a83 --repeats 3     # side by side with that commit
+    python benchmarks/pipeline_ceiling.py --baseline bfa849a --repeats 3     # side by side with that commit
 
-All of `oni_appo.train()` runs as in training (spawned env workers writing halves of their envs into the shared
-buffers; collect, receive, act, hand_over in the main thread; learn, next_batch, take_batch, IntrinsicReward.rewards()
-of --reward-type none, add_intrinsic_episodes and the update in the learner thread; logs, the last checkpoint) but for
-two pieces: the workers' `envs.make_env` builds `NullEnv`s, and `oni_appo.Agent` is `FreeAgent`. What is left is the
-coordination that neither a faster env nor a GPU can speed up. Each grid point is a fresh train() in a process of its
-own, measured for --seconds from --warmup seconds after its first update: env steps/s; CPU us per env step of the
-main process (all threads), of its main thread and of its learner thread, and of the env workers (all of them); the
-cores the main process kept busy; the mean policy lag (in updates) of the steps learned in that window.
+All of `oni_appo.train()` runs as in training (the learner's process: learn, next_batch, take_batch,
+IntrinsicReward.rewards() of --reward-type none, add_intrinsic_episodes, the update, the weights' hand-over, logs, the
+last checkpoint; the acting process: collect, receive, act, hand_over; its spawned env workers writing halves of their
+envs into the shared buffers) but for two pieces: the workers' `envs.make_env` builds `NullEnv`s, and
+`oni_appo.Agent` is `FreeAgent`. What is left is the coordination that neither a faster env nor a GPU can speed up.
+Each grid point is a fresh train() in a process of its own, measured for --seconds from --warmup seconds after its
+first update: env steps/s; CPU us per env step of acting + learning, of acting alone, of learning alone, and of the
+env workers (all of them); the cores acting + learning kept busy; the mean policy lag (in updates) of the steps
+learned in that window. (Before the learner had a process of its own, acting was the main thread and learning a
+thread beside it, under one GIL: each tree is measured by its own copy of this script, which knows its structure.)
 
---baseline REV runs the same grid from a git worktree of commit REV (this script, that tree's modules), alternating
-with this tree point by point (--repeats times each), and prints both and their ratio. The ESTIMATE at the end scales
-the measured per-step costs to --cores cores with NLE at --nle-sps steps/s per worker core, its assumptions printed
-with it. On a machine shared with other work the figures are noisy.
+--baseline REV runs the same grid from a git worktree of commit REV (one that has this script: e0b6387 or later),
+alternating with this tree point by point (--repeats times each), and prints both and their ratio. The ESTIMATE at the end scales the measured per-step costs
+to --cores cores with NLE at --nle-sps steps/s per worker core, its assumptions printed with it. On a machine
+shared with other work the figures are noisy.
 """
 import argparse
 import itertools
@@ -30,15 +32,17 @@ import threading
 import time
 from types import SimpleNamespace
 
-import numpy as np
-import torch
+if "--measure" in sys.argv:  # as this tree's oni_appo.py sets it before torch loads (not for a baseline's measure)
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
 import torch.nn as nn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROLLOUT = 32  # oni_appo's default --rollout, which the grid keeps
-FIGURES = (("sps", "steps/s", "{:,.0f}"), ("process_us", "main process us/step", "{:.1f}"),
-           ("main_us", "main thread us/step", "{:.1f}"), ("learner_us", "learner us/step", "{:.1f}"),
-           ("workers_us", "workers us/step", "{:.1f}"), ("cores", "main process cores", "{:.2f}"),
+FIGURES = (("sps", "steps/s", "{:,.0f}"), ("process_us", "acting + learning us/step", "{:.1f}"),
+           ("main_us", "acting us/step", "{:.1f}"), ("learner_us", "learning us/step", "{:.1f}"),
+           ("workers_us", "workers us/step", "{:.1f}"), ("cores", "acting + learning cores", "{:.2f}"),
            ("lag", "policy lag", "{:.2f}"))
 
 
@@ -108,48 +112,54 @@ def null_env_worker(*args):
     oni_appo.env_worker(*args)
 
 
+def null_act_process(*args):
+    """The acting process's target: oni_appo's own, acting with FreeAgent, its workers spawned as null_env_worker."""
+    import oni_appo
+    oni_appo.Agent, oni_appo.env_worker = FreeAgent, null_env_worker
+    oni_appo.act_process(*args)
+
+
 def process_cpu_s(pid):
     with open(f"/proc/{pid}/stat") as f:
         utime, stime = f.read().rsplit(")", 1)[1].split()[11:13]
     return (int(utime) + int(stime)) / os.sysconf("SC_CLK_TCK")
 
 
+def children(pid):
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(child) for child in f.read().split()]
+
+
 def measure(workers, envs_per_worker, batch_size, opts):
-    """One grid point: oni_appo.train() in this process with NullEnv and FreeAgent; returns its figures."""
+    """One grid point: oni_appo.train() in this process (the learner's) with NullEnv and FreeAgent; its figures."""
     if opts["threads"]:
         torch.set_num_threads(opts["threads"])
     import oni_appo
-    thread_cpu = lambda ident: time.clock_gettime(time.pthread_getcpuclockid(ident))
-    idents, figures, collect, learn = {}, {}, oni_appo.collect, oni_appo.learn
+    figures, learn = {}, oni_appo.learn
 
     def snapshot(run):
+        acting = run.acting.pid
         return np.array([time.perf_counter(), run.counters["env_steps"], run.sums["lag_sum"], run.sums["lag_steps"],
-                         time.process_time(), thread_cpu(idents["main"]), thread_cpu(idents["learner"]),
-                         sum(process_cpu_s(p.pid) for p in multiprocessing.active_children())])
+                         time.process_time(), process_cpu_s(acting), sum(map(process_cpu_s, children(acting)))])
 
     def window(run):  # steady state: from --warmup seconds after the first update, for --seconds
-        while run.counters["updates"] < 1 and not run.stop.wait(0.05):
-            pass
+        while run.counters["updates"] < 1 and not run.stop.value:
+            time.sleep(0.05)
         time.sleep(opts["warmup"])
         first = snapshot(run)
         time.sleep(opts["seconds"])
-        wall, steps, lag_sum, lag_steps, process, main, learner, workers_cpu = snapshot(run) - first
-        run.stop.set()
+        wall, steps, lag_sum, lag_steps, learner, acting, workers_cpu = snapshot(run) - first
+        run.stop.value = 1
         us = lambda seconds: 1e6 * seconds / max(steps, 1)
-        figures.update(sps=steps / wall, process_us=us(process), main_us=us(main), learner_us=us(learner),
-                       workers_us=us(workers_cpu), cores=process / wall, lag=lag_sum / lag_steps if lag_steps else None)
+        figures.update(sps=steps / wall, process_us=us(learner + acting), main_us=us(acting), learner_us=us(learner),
+                       workers_us=us(workers_cpu), cores=(learner + acting) / wall,
+                       lag=lag_sum / lag_steps if lag_steps else None, processes=2)
 
     def learn_here(run):
-        idents["learner"] = threading.get_ident()
+        threading.Thread(target=window, args=(run,), daemon=True).start()
         learn(run)
 
-    def collect_here(run, conns):
-        idents["main"] = threading.get_ident()
-        threading.Thread(target=window, args=(run,), daemon=True).start()
-        collect(run, conns)
-
-    oni_appo.Agent, oni_appo.env_worker = FreeAgent, null_env_worker
-    oni_appo.collect, oni_appo.learn = collect_here, learn_here
+    oni_appo.Agent, oni_appo.act_process, oni_appo.learn = FreeAgent, null_act_process, learn_here
     with tempfile.TemporaryDirectory(prefix="pipeline-ceiling-") as run_dir:
         oni_appo.train(oni_appo.parse_args([
             "--reward-type", "none", "--num-workers", str(workers), "--num-envs-per-worker", str(envs_per_worker),
@@ -159,7 +169,8 @@ def measure(workers, envs_per_worker, batch_size, opts):
 
 
 def run_point(tree, point, opts):
-    command = [sys.executable, os.path.abspath(__file__), "--measure", json.dumps([tree, *point, opts])]
+    script = os.path.join(tree, "benchmarks", os.path.basename(__file__))  # the tree's own: it knows its processes
+    command = [sys.executable, script, "--measure", json.dumps([tree, *point, opts])]
     result = subprocess.run(command, capture_output=True, text=True, cwd=tree)
     if result.returncode:
         raise SystemExit(f"error: {point} on {tree} failed:\n{result.stderr[-3000:]}")
@@ -171,18 +182,23 @@ def show(value, form):
 
 
 def mean(runs, key):
-    values = [r[key] for r in runs if r[key] is not None]
+    values = [r.get(key, 1) for r in runs if r.get(key, 1) is not None]  # "processes": 1 unless said
     return sum(values) / len(values) if values else None
 
 
 def estimate(point, figures, args):
-    """Steps/s on --cores cores, the lesser of what the env workers and what the main process can do; and the policy
-    lag: the measured one plus the added workers' steps in flight (half a rollout each, on average) over the batch."""
+    """(env workers, their bound, acting + learning's bound, steps/s, policy lag) on --cores cores. Steps/s: the lesser
+    bound. Acting + learning: a tree that runs them in one process under one GIL gets one core and their costs add
+    up; one with a process each gets a core each and the slower bounds. The lag: the measured one plus the added
+    workers' steps in flight (half a rollout each, on average) over the batch."""
     workers, envs_per_worker, batch_size = point
-    worker_sps = (args.cores - 1) * 1e6 / (1e6 / args.nle_sps + figures["workers_us"])
-    main_sps = 1e6 / (figures["main_us"] + figures["learner_us"])
-    added = ROLLOUT * (args.cores - 1 - workers) * envs_per_worker / (2 * batch_size)
-    return worker_sps, main_sps, min(worker_sps, main_sps), None if figures["lag"] is None else figures["lag"] + added
+    split = figures["processes"] == 2
+    env_workers = args.cores - 1 - split
+    worker_sps = env_workers * 1e6 / (1e6 / args.nle_sps + figures["workers_us"])
+    main_sps = 1e6 / (max if split else sum)((figures["main_us"], figures["learner_us"]))
+    added = ROLLOUT * (env_workers - workers) * envs_per_worker / (2 * batch_size)
+    return (env_workers, worker_sps, main_sps, min(worker_sps, main_sps),
+            None if figures["lag"] is None else figures["lag"] + added)
 
 
 def main():
@@ -227,7 +243,7 @@ def main():
               " ".join(f"{k}={show(figures[k], form)}" for k, _, form in FIGURES), flush=True)
     print("\n| workers x envs x batch | tree | " + " | ".join(label for _, label, _ in FIGURES) + " |\n|---|---|"
           + "---|" * len(FIGURES))
-    means = {key: {k: mean(runs, k) for k, _, _ in FIGURES} for key, runs in results.items()}
+    means = {key: {k: mean(runs, k) for k in [k for k, _, _ in FIGURES] + ["processes"]} for key, runs in results.items()}
     for point in grid:
         label = "x".join(map(str, point))
         for name in trees:
@@ -236,17 +252,17 @@ def main():
             before, now = (means[point, name] for name in trees)
             print(f"| {label} | now / before | " + " | ".join(
                 show(now[k] / before[k] if now[k] and before[k] else None, "{:.2f}") for k, _, _ in FIGURES) + " |")
-    print(f"\nESTIMATE for {args.cores} cores, not a measurement. Assumes: {args.cores - 1} env workers, one core each, "
-          f"NLE at {args.nle_sps:,.0f} steps/s per core plus the workers' measured us/step; one core left for the main "
-          "process, whose main and learner threads run one at a time (one GIL), at their measured us/step; host cores "
-          "as fast as this machine's; per-step costs as measured here with fewer workers; the policy's own time (a "
-          "real network's inference and update, on a GPU or not) not counted; the learner keeps up, so the lag only "
-          "grows by the added workers' steps in flight.")
-    print("\n| workers x envs x batch | tree | env workers' bound | main process bound | estimate steps/s | policy lag |"
-          "\n|---|---|---|---|---|---|")
+    print(f"\nESTIMATE for {args.cores} cores, not a measurement. Assumes: the cores not left for acting and learning "
+          f"run env workers, one core each, NLE at {args.nle_sps:,.0f} steps/s per core plus the workers' measured "
+          "us/step; acting and learning at their measured us/step, on one core where one process does both (one GIL), "
+          "on one core each where each has its process; host cores as fast as this machine's; per-step costs as "
+          "measured here with fewer workers; the policy's own time (a real network's inference and update, on a GPU "
+          "or not) not counted; the learner keeps up, so the lag only grows by the added workers' steps in flight.")
+    print("\n| workers x envs x batch | tree | env workers' bound | acting + learning bound | estimate steps/s | "
+          "policy lag |\n|---|---|---|---|---|---|")
     for (point, name), figures in means.items():
-        *bounds, lag = estimate(point, figures, args)
-        print(f"| {args.cores - 1}x{point[1]}x{point[2]} (measured at {point[0]} workers) | {name} | "
+        env_workers, *bounds, lag = estimate(point, figures, args)
+        print(f"| {env_workers}x{point[1]}x{point[2]} (measured at {point[0]} workers) | {name} | "
               + " | ".join(f"{b:,.0f}" for b in bounds) + f" | {show(lag, '{:.1f}')} |")
 
 

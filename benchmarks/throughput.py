@@ -15,7 +15,7 @@ tree (--repeats times each), and prints steps/s and mean policy lag (tensorboard
 averaged over the run's logs) side by side.
 --collection adds the pipeline alone: oni_appo's own workers, shared buffers and batched inference,
 with a learner that takes each batch and does no update, and the share of its wall time spent in
-inference (the main thread's `act`): the figure that predicts a GPU node, where learning is nearly free.
+inference (the acting process's `act`): the figure that predicts a GPU node, where learning is nearly free.
 """
 import argparse
 import json
@@ -58,24 +58,36 @@ def raw_nle(processes, seconds):
     return total
 
 
-def collection_run(oni_argv):
-    """oni_appo's training loop with a learner that does no update; summary.json gets inference_share."""
+def timed_act_process(args, *rest):
+    """The acting process's target: oni_appo's own with act() timed; the seconds go to RUN_DIR/inference_s."""
     import oni_appo
-    act, inference_s = oni_appo.act, [0.0]
+    act, spent = oni_appo.act, [0.0]
 
     def timed_act(run, conns, slots):
         start = time.perf_counter()
         act(run, conns, slots)
-        inference_s[0] += time.perf_counter() - start
+        spent[0] += time.perf_counter() - start
+    oni_appo.act = timed_act
+    try:
+        oni_appo.act_process(args, *rest)
+    finally:
+        with open(os.path.join(args.run_dir, "inference_s"), "w") as f:
+            f.write(str(spent[0]))
+
+
+def collection_run(oni_argv):
+    """oni_appo's training loop with a learner that does no update; summary.json gets inference_share."""
+    import oni_appo
 
     def no_update(run, batch, rewards):
-        with run.weights_lock:
-            run.counters["updates"] += 1
+        run.counters["updates"] += 1
+        run.weights.push(run.agent, run.counters["updates"])  # the versions that the policy lag counts
         return {}
-    oni_appo.act, oni_appo.update_policy = timed_act, no_update
+    oni_appo.act_process, oni_appo.update_policy = timed_act_process, no_update
     args = oni_appo.parse_args(oni_argv)
     summary = oni_appo.train(args)
-    summary["inference_share"] = inference_s[0] / summary["session_wall_time_s"]
+    with open(os.path.join(args.run_dir, "inference_s")) as f:
+        summary["inference_share"] = float(f.read()) / summary["session_wall_time_s"]
     with open(os.path.join(args.run_dir, "summary.json"), "w") as f:
         json.dump(summary, f)
 

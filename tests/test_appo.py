@@ -235,21 +235,32 @@ def test_the_learner_thread_keeps_the_process_threads_beside_a_reward_model_trai
     assert oni_appo.TORCH_THREADS == torch.get_num_threads() and seen == [oni_appo.TORCH_THREADS]
 
 
-def test_sigterm_saves_a_checkpoint_and_stops_the_workers(tmp_path):
+@pytest.mark.parametrize("to_group", [False, True])
+def test_sigterm_saves_a_checkpoint_and_stops_the_workers(tmp_path, to_group):
+    """SIGTERM to the trainer, or to its whole process group as a scheduler sends it: a clean stop with a checkpoint
+    and no process left. Sent to the group, the acting process died at once and the run ended with "the acting process
+    died" (2 runs in 4); and the old check for leftovers (pgrep of a parent pid in spawn_main's command line) could not
+    match anything."""
     run_dir = str(tmp_path / "run")
-    proc = subprocess.Popen([sys.executable, "oni_appo.py", *SMALL_RUN, "--run-dir", run_dir],
+    proc = subprocess.Popen([sys.executable, "oni_appo.py", *SMALL_RUN, "--run-dir", run_dir], start_new_session=True,
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for line in proc.stdout:  # wait for the first progress line
         if "steps/s" in line:
             break
-    proc.send_signal(signal.SIGTERM)
+    children = descendants(proc.pid)
+    assert len(children) >= 3, children  # the acting process and its 2 workers
+    if to_group:
+        os.killpg(proc.pid, signal.SIGTERM)
+    else:
+        proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err[-2000:]
     assert os.path.exists(os.path.join(run_dir, "checkpoint.pt"))
     assert json.load(open(os.path.join(run_dir, "summary.json")))["env_steps"] > 0
-    time.sleep(0.5)
-    leftover = subprocess.run(["pgrep", "-f", f"multiprocessing.spawn.*{proc.pid}"], capture_output=True, text=True)
-    assert leftover.stdout.strip() == ""
+    deadline = time.time() + 10
+    while (left := [pid for pid in children if process_states().get(pid, ("Z",))[0] != "Z"]) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not left
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -289,19 +300,23 @@ def test_corrupt_and_mismatched_checkpoints_are_clear_errors(tmp_path):
     assert "Traceback" not in result.stderr
 
 
-def test_a_dead_worker_ends_the_run_with_a_clear_error_and_a_checkpoint(tmp_path):
+@pytest.mark.parametrize("victim, error", [("worker", "error: env worker"), ("acting", "error: the acting process died")])
+def test_a_dead_worker_ends_the_run_with_a_clear_error_and_a_checkpoint(tmp_path, victim, error):
+    """A dead env worker or acting process (the learner's child; the workers are its children) must stop the run with
+    a one-line error and a checkpoint, not leave the learner waiting for rollouts that never come."""
     run_dir = str(tmp_path / "run")
     proc = subprocess.Popen([sys.executable, "oni_appo.py", *SMALL_RUN, "--run-dir", run_dir],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for line in proc.stdout:
         if "steps/s" in line:
             break
-    children = subprocess.run(["pgrep", "-P", str(proc.pid), "-f", "spawn_main"],
-                              capture_output=True, text=True).stdout.split()
-    os.kill(int(children[0]), signal.SIGKILL)
+    spawned = lambda pid: subprocess.run(["pgrep", "-P", str(pid), "-f", "spawn_main"],
+                                         capture_output=True, text=True).stdout.split()
+    acting, = spawned(proc.pid)
+    os.kill(int(spawned(acting)[0] if victim == "worker" else acting), signal.SIGKILL)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode != 0
-    assert err.strip().splitlines()[-1].startswith("error: env worker") and "Traceback" not in err
+    assert err.strip().splitlines()[-1].startswith(error) and "Traceback" not in err
     assert f"--resume {run_dir}" in err
     assert torch.load(os.path.join(run_dir, "checkpoint.pt"), weights_only=False)["counters"]["env_steps"] > 0
 

@@ -619,7 +619,7 @@ def stop_workers(conns, workers):
             conn.send(None)
     for proc in workers:
         proc.join(timeout=5)
-        proc.terminate()  # if still alive (a no-op for one that ended)
+        proc.kill()  # if still alive (a no-op for one that ended); it ignores SIGTERM (start_acting)
 
 
 def collect(run, conns):
@@ -743,8 +743,8 @@ def next_message(run, timeout):
     for env, episode in episodes:
         run.pending[env].append(episode)
     run.counters["episodes"] += len(episodes)
-    if kind == "failure":
-        run.failure = run.failure or what
+    if kind == "failure" or (kind == "end" and not run.stop.value):  # an end not asked for: an exception
+        run.failure = run.failure or what or "the acting process failed (its traceback is above)"
         run.stop.value = 1
     return kind, what
 

@@ -590,7 +590,7 @@ def act_process(*shared):
     torch.set_num_threads(1)  # its CPU ops are small: more threads only wake each other (README: Performance)
     run = Acting(*shared)
     conns, workers = start_workers(run)
-    try:  # an exception prints its traceback, and the learner, finding this process gone, stops the run
+    try:  # an exception prints its traceback; the learner, sent an end it did not ask for, stops the run
         collect(run, conns)
     finally:
         stop_workers(conns, workers)

@@ -734,8 +734,8 @@ def learn(run):
 
 def next_message(run, timeout):
     """The acting process's next message (kind, what) or (None, None); steps, episodes noted; a failure stops."""
-    if not run.full.poll(timeout):
-        if not run.acting.is_alive():
+    if not run.full.poll(timeout):  # dead, and nothing it sent before it ended (its "end") is left to read:
+        if not run.acting.is_alive() and not run.full.poll():
             run.failure = run.failure or "the acting process died"
             run.stop.value = 1
         return None, None

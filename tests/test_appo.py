@@ -321,6 +321,24 @@ def test_a_dead_worker_ends_the_run_with_a_clear_error_and_a_checkpoint(tmp_path
     assert torch.load(os.path.join(run_dir, "checkpoint.pt"), weights_only=False)["counters"]["env_steps"] > 0
 
 
+def test_an_end_sent_as_the_acting_process_exits_is_read_not_taken_for_its_death():
+    """The acting process sends its "end" and exits; when both happen between the learner's poll timing out and its
+    look at the process (a loaded box), the end is in the pipe. Guards the CI failure "the acting process died" at a
+    requested stop: the learner must read that end, not stop the run as a failure."""
+    import multiprocessing
+    learner_end, acting_end = multiprocessing.Pipe()
+
+    class EndsWhileLookedAt:  # sends its end and is gone by the time is_alive answers
+        def is_alive(self):
+            acting_end.send(("end", None, [(0, {"score": 1})], 123))
+            return False
+    run = SimpleNamespace(full=learner_end, acting=EndsWhileLookedAt(), stop=SimpleNamespace(value=1), failure=None,
+                          pending=collections.defaultdict(list), counters={"episodes": 0, "env_steps": 0})
+    assert oni_appo.next_message(run, 0) == (None, None) and run.failure is None
+    assert oni_appo.next_message(run, 0) == ("end", None) and run.failure is None
+    assert run.counters == {"episodes": 1, "env_steps": 123} and run.pending[0] == [{"score": 1}]
+
+
 class CrashOnce:
     """A real env whose 6th step (counted over all instances) raises, as a broken game would."""
     calls = 0

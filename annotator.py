@@ -376,9 +376,10 @@ def _serve_process(**kwargs):
     serve(**kwargs)
 
 
-def _manager_process(parent):  # the learner decides when it stops, Ctrl-C does not; the trainer's death does (and
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # then the annotator's, which writes to it)
-    llm_server.die_with_parent(parent)
+def _manager_process(parent):  # the learner decides when it stops, not Ctrl-C or SIGTERM to the group (a dead
+    for sig in (signal.SIGINT, signal.SIGTERM):  # annotator is restarted on its table); the trainer's death does
+        signal.signal(sig, signal.SIG_IGN)
+    llm_server.die_with_parent(parent, signal.SIGKILL)  # (SIGTERM is ignored)
 
 
 class LabelClient:
@@ -472,8 +473,7 @@ class LabelClient:
         if self.process is not None:
             self.stop.set()
             self.process.join(timeout=10)
-            if self.process.is_alive():
-                self.process.terminate()
+            self.process.terminate()  # if still alive (a no-op for one that ended)
             self.final_stats = self.stats()
             self.manager.shutdown()
         if self.server is not None:

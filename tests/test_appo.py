@@ -237,13 +237,16 @@ def test_the_learner_thread_keeps_the_process_threads_beside_a_reward_model_trai
 
 @pytest.mark.parametrize("to_group", [False, True])
 def test_sigterm_saves_a_checkpoint_and_stops_the_workers(tmp_path, to_group):
-    """SIGTERM to the trainer, or to its whole process group as a scheduler sends it: a clean stop with a checkpoint
-    and no process left. Sent to the group, the acting process died at once and the run ended with "the acting process
-    died" (2 runs in 4); and the old check for leftovers (pgrep of a parent pid in spawn_main's command line) could not
-    match anything."""
-    run_dir = str(tmp_path / "run")
-    proc = subprocess.Popen([sys.executable, "oni_appo.py", *SMALL_RUN, "--run-dir", run_dir], start_new_session=True,
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    """SIGTERM to the trainer, or to its whole process group as a scheduler sends it (there with an LLM reward type,
+    whose annotator and Manager are in the group too): a clean stop with a checkpoint and no process left. Sent to the
+    group, the acting process died at once and the run ended with "the acting process died" (2 runs in 4); the
+    Manager died with it and the run ended in a traceback; and the old check for leftovers (pgrep of a parent pid in
+    spawn_main's command line) could not match anything."""
+    from fake_openai import FakeOpenAI
+    run_dir, fake = str(tmp_path / "run"), FakeOpenAI().start()
+    llm = ["--reward-type", "classification", "--llm-url", fake.url] if to_group else []
+    proc = subprocess.Popen([sys.executable, "oni_appo.py", *SMALL_RUN, *llm, "--run-dir", run_dir],
+                            start_new_session=True, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for line in proc.stdout:  # wait for the first progress line
         if "steps/s" in line:
             break
@@ -254,7 +257,8 @@ def test_sigterm_saves_a_checkpoint_and_stops_the_workers(tmp_path, to_group):
     else:
         proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0, err[-2000:]
+    fake.stop()
+    assert proc.returncode == 0 and "Traceback" not in err, err[-2000:]
     assert os.path.exists(os.path.join(run_dir, "checkpoint.pt"))
     assert json.load(open(os.path.join(run_dir, "summary.json")))["env_steps"] > 0
     deadline = time.time() + 10

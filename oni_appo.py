@@ -461,6 +461,7 @@ class Run:
     losses: dict = field(default_factory=dict)
     sums: collections.Counter = field(default_factory=collections.Counter)  # this session's learner sums, see learn()
     failure: str | None = None  # a fatal LLM error, an env worker or the acting process gone: saved, then said
+    ended: bool = False  # the acting process's last message, its "end", was read (by next_batch or end_acting)
     start_time: float = field(default_factory=time.time)  # train() sets it again once the acting process runs
     stop: object = field(default_factory=lambda: mp.get_context("spawn").RawValue("b", 0))  # .value: set by either
 
@@ -562,8 +563,8 @@ def start_acting(run):
 def end_acting(run):
     """Stops the acting process; its last message brings the steps and episodes of its last moments."""
     run.stop.value, deadline = 1, time.time() + 60
-    while (run.acting.is_alive() or run.full.poll()) and next_message(run, 0.1)[0] != "end" and time.time() < deadline:
-        pass
+    while not run.ended and (run.acting.is_alive() or run.full.poll()) and time.time() < deadline:
+        next_message(run, 0.1)
     run.acting.join(timeout=10)
     run.acting.kill()  # wedged (a no-op for one that ended)
 
@@ -734,12 +735,13 @@ def learn(run):
 
 def next_message(run, timeout):
     """The acting process's next message (kind, what) or (None, None); steps, episodes noted; a failure stops."""
-    if not run.full.poll(timeout):  # dead, and nothing it sent before it ended (its "end") is left to read:
-        if not run.acting.is_alive() and not run.full.poll():
+    if not run.full.poll(timeout):  # dead before its "end" was read, and nothing it sent is left to read:
+        if not run.acting.is_alive() and not run.full.poll() and not run.ended:
             run.failure = run.failure or "the acting process died"
             run.stop.value = 1
         return None, None
     kind, what, episodes, run.counters["env_steps"] = run.full.recv()
+    run.ended |= kind == "end"
     for env, episode in episodes:
         run.pending[env].append(episode)
     run.counters["episodes"] += len(episodes)

@@ -337,10 +337,32 @@ def test_an_end_sent_as_the_acting_process_exits_is_read_not_taken_for_its_death
             acting_end.send(("end", None, [(0, {"score": 1})], 123))
             return False
     run = SimpleNamespace(full=learner_end, acting=EndsWhileLookedAt(), stop=SimpleNamespace(value=1), failure=None,
-                          pending=collections.defaultdict(list), counters={"episodes": 0, "env_steps": 0})
+                          pending=collections.defaultdict(list), counters={"episodes": 0, "env_steps": 0}, ended=False)
     assert oni_appo.next_message(run, 0) == (None, None) and run.failure is None
     assert oni_appo.next_message(run, 0) == ("end", None) and run.failure is None
     assert run.counters == {"episodes": 1, "env_steps": 123} and run.pending[0] == [{"score": 1}]
+
+
+def test_an_end_that_next_batch_read_is_not_waited_for_again():
+    """A stop set while next_batch polls: the acting process's "end" arrives there, and next_batch returns. The
+    same CI failure, at a second place: end_acting waited for another "end", and when the process (still stopping
+    its workers when end_acting began) exited, took it for dead: "the acting process died" at a requested stop
+    (pipeline_ceiling at 2 x 16 x 1,024, once in two runs)."""
+    import multiprocessing
+    learner_end, acting_end = multiprocessing.Pipe()
+
+    class Exits:  # alive when end_acting begins, gone after
+        alive = [True]
+
+        def is_alive(self):
+            return self.alive.pop() if self.alive else False
+        join = kill = lambda self, timeout=None: None
+    acting_end.send(("end", None, [], 5))
+    run = SimpleNamespace(full=learner_end, acting=Exits(), stop=SimpleNamespace(value=1), failure=None,
+                          pending=collections.defaultdict(list), counters={"episodes": 0, "env_steps": 0}, ended=False)
+    assert oni_appo.next_message(run, 0) == ("end", None)  # read by next_batch
+    oni_appo.end_acting(run)
+    assert run.failure is None
 
 
 class CrashOnce:

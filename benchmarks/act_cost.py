@@ -16,6 +16,7 @@ import statistics
 import sys
 import time
 
+import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -57,17 +58,17 @@ def main():
                 "colors": torch.randint(0, 16, (n, 21, 79), dtype=torch.uint8),
                 "blstats": torch.randint(0, 20, (n, 27)).float(),
                 "message": torch.randint(0, 127, (n, envs.MESSAGE_LEN), dtype=torch.uint8)}
-        hidden, ends, generator = torch.zeros(n, 512, device=device), torch.zeros(n, dtype=torch.int8), torch.Generator()
+        hidden, ends, generator = torch.zeros(n, 512, device=device), torch.zeros(n, dtype=torch.int8), np.random.default_rng(0)
         obs = {k: v.to(device) for k, v in host.items()}
 
         @torch.no_grad()
         def act(step):  # oni_appo.act's sequence for one batch, without its buffers and pipes
             o = {k: v.to(device) for k, v in host.items()}
             logits, _, h_new = step(o, oni_appo.carry_state(hidden, ends.to(device)))
-            noise = torch.rand(n, logits.shape[1], generator=generator)
-            log_probs = torch.log_softmax(logits.float(), dim=-1)
-            action = (log_probs - torch.log(-torch.log(noise.to(device).clamp(min=1e-20)))).argmax(-1)
-            return action.cpu(), log_probs.gather(-1, action[:, None]).cpu(), h_new
+            log_probs = torch.log_softmax(logits.float(), dim=-1).cpu().numpy()
+            noise = generator.random(log_probs.shape, np.float32)
+            action = (log_probs - np.log(-np.log(np.maximum(noise, 1e-20)))).argmax(-1)
+            return action, log_probs[np.arange(n), action], h_new
 
         with torch.no_grad():
             row = [timed(lambda: act(agent.step), device, args.repeats),

@@ -359,8 +359,8 @@ def serve(*, urls, model, prompts, concurrency, run_dir, known, requests, table,
             answered.append((item_key(item), {"pair": list(item), "preference": answer} if isinstance(item, tuple)
                              else {"caption": item, "label": answer}))
         if answered:  # one round trip and one write for all of this turn's answers
-            table.put(answered)
-            out.write("".join(json.dumps(record) + "\n" for _, record in answered))
+            out.write("".join(json.dumps(record) + "\n" for _, record in answered))  # on disk before the learner
+            table.put(answered)  # can use them: an annotator killed between the two loses no label a resume needs
             counts["labels"] += len(answered)
         ordered = sorted(latencies) or [0.0]
         stats.update(dict(counts), backlog=len(backlog), in_flight=len(in_flight),
@@ -376,10 +376,9 @@ def _serve_process(**kwargs):
     serve(**kwargs)
 
 
-def _manager_process(parent):  # the learner decides when it stops, not Ctrl-C or SIGTERM to the group (a dead
-    for sig in (signal.SIGINT, signal.SIGTERM):  # annotator is restarted on its table); the trainer's death does
-        signal.signal(sig, signal.SIG_IGN)
-    llm_server.die_with_parent(parent, signal.SIGKILL)  # (SIGTERM is ignored)
+def _manager_process(parent):  # the learner decides when it stops, not a SIGTERM to the group (nor Ctrl-C, which
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # multiprocessing's manager ignores itself); the trainer's death
+    llm_server.die_with_parent(parent, signal.SIGKILL)  # does, by SIGKILL (then the annotator's, which writes to it)
 
 
 class LabelClient:

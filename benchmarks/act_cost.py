@@ -62,7 +62,7 @@ def main():
         obs = {k: v.to(device) for k, v in host.items()}
 
         @torch.no_grad()
-        def act(step):  # oni_appo.act's sequence for one batch, without its buffers and pipes
+        def act(step):  # oni_appo.act for one batch as one slot: the policy and sampling, not its buffers and pipes
             o = {k: v.to(device) for k, v in host.items()}
             logits, _, h_new = step(o, oni_appo.carry_state(hidden, ends.to(device)))
             log_probs = torch.log_softmax(logits.float(), dim=-1).cpu().numpy()

@@ -268,7 +268,8 @@ def test_sigterm_saves_a_checkpoint_and_stops_the_workers(tmp_path, to_group):
     finally:
         proc.kill()
         for pid in in_session(proc.pid):
-            os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):  # gone since
+                os.kill(pid, signal.SIGKILL)
         if fake is not None:
             fake.stop()
 

@@ -145,10 +145,12 @@ def test_messages_tsv_counts_steps_and_what_each_message_paid(tmp_path):
         model.rewards(torch.zeros(5, 1), rm.to_rows(texts).view(5, 1, 256), counts, torch.zeros(5, 1, dtype=torch.bool))
     model.write_messages(tmp_path / "messages.tsv")
     rows = [line.split("\t") for line in open(tmp_path / "messages.tsv").read().splitlines()]
-    assert rows[0] == ["message", "steps", "label", "reward_now", "paid"]
-    # per batch the kills paid 1 + 1/8 + 1: R / N^3 summed over steps, not over distinct messages
-    assert rows[1:] == [["You kill the newt!", "6", "1", "1.0000", "4.2500"], ["(none)", "2", "", "0.0000", "0.0000"],
-                        ["It's a wall.", "2", "0", "0.0000", "0.0000"]]
+    assert rows[0] == ["message", "steps", "label", "reward_now", "paid", "firsts"]
+    # per batch the kills paid 1 + 1/8 + 1: R / N^3 summed over steps, not over distinct messages; firsts, the pay
+    # weight, is the same sum with R = 1 whatever the label (a wall seen first twice: 2)
+    assert rows[1:] == [["You kill the newt!", "6", "1", "1.0000", "4.2500", "4.2500"],
+                        ["(none)", "2", "", "0.0000", "0.0000", "2.0000"],
+                        ["It's a wall.", "2", "0", "0.0000", "0.0000", "2.0000"]]
 
 
 def test_message_counts_hold_no_object_the_garbage_collector_walks_and_old_checkpoints_load(tmp_path):

@@ -1,0 +1,73 @@
+"""Reading recorded runs for the offline benchmarks: each message's steps, label, pay and pay weight.
+
+A message's pay weight is what an R of 1 would have paid it under the count normalization: 1 / N^beta summed over
+its steps, N its sightings so far in the episode. It is close to the number of episodes it was seen in, so a message
+on 1% of the steps, seen once an episode, can weigh more than a wall bumped into fifty times an episode. Runs since
+the `firsts` column of messages.tsv record it exactly; for older runs it is estimated from the steps and the run's
+episodes as if a message's sightings fell on episodes at random (Poisson): E * (1 - exp(-steps / E)). That
+overstates the weight of messages that cluster in a few episodes; `exact` says which was used."""
+import json
+import math
+import os
+from dataclasses import dataclass
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LABEL_SETS = os.path.join(ROOT, "benchmarks", "label_sets.tsv")
+
+
+@dataclass
+class Message:
+    steps: int
+    label: int | None  # the run's LLM label, None if never labelled
+    reward_now: float
+    paid: float
+    weight: float  # the pay weight: firsts, exact or estimated
+
+
+def read_messages(run_dir: str) -> tuple[dict[str, Message], bool]:
+    """{message: Message} of a run's messages.tsv (the empty message left out), and whether weights are exact."""
+    with open(os.path.join(run_dir, "summary.json")) as f:
+        episodes = max(1, json.load(f).get("episodes", 1))
+    out, exact = {}, True
+    with open(os.path.join(run_dir, "messages.tsv")) as f:
+        header = f.readline().rstrip("\n").split("\t")
+        exact = "firsts" in header
+        for line in f:
+            row = dict(zip(header, line.rstrip("\n").split("\t")))
+            if row["message"] == "(none)":
+                continue
+            steps = int(row["steps"])
+            weight = float(row["firsts"]) if exact else episodes * (1 - math.exp(-steps / episodes))
+            out[row["message"]] = Message(steps, int(row["label"]) if row["label"] else None,
+                                          float(row["reward_now"]), float(row["paid"]), weight)
+    return out, exact
+
+
+def hand_labels(path: str = LABEL_SETS) -> dict[str, tuple[int, str]]:
+    """{message: (label, split)} of label_sets.tsv, every split."""
+    with open(path) as f:
+        rows = [line.rstrip("\n").split("\t") for line in f][1:]
+    return {message: (int(label), split) for message, _, label, split, *_ in rows}
+
+
+def llm_labels(*run_dirs: str) -> dict[str, int]:
+    """{caption: label} from the labels.jsonl of runs (captions only, the last answer wins, unknowns left out)."""
+    out = {}
+    for run_dir in run_dirs:
+        path = os.path.join(run_dir, "labels.jsonl")
+        if os.path.exists(path):
+            with open(path) as f:
+                for line in f:
+                    record = json.loads(line)
+                    if "caption" in record and record["label"] is not None:
+                        out[" ".join(record["caption"].split())] = record["label"]
+    return out
+
+
+def run_dirs(root: str) -> list[str]:
+    """Every run under root (a directory holding messages.tsv and summary.json), sorted, symlinks followed."""
+    found = []
+    for here, dirs, files in os.walk(root, followlinks=True):
+        if "messages.tsv" in files and "summary.json" in files:
+            found.append(here)
+    return sorted(found)

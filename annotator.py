@@ -49,10 +49,11 @@ PROMPTS = {
 }
 # A base model copies the labels of messages like the one asked far better than it applies a stated goal
 # (benchmarks/label_quality.py): a completion prompt shows, for each message, the labelled messages nearest to
-# it by character trigrams, DEMOS_PER_LABEL of each label, nearest last. The pool is the benchmark's dev split
-# (hand-labelled messages of recorded runs); its test split never reaches a prompt. 4, not 2: at 2 even kills
-# with kills in the pool scored under the threshold ("You kill the kobold!" 0.41); at 4 they score 1.25-1.83.
-DEMOS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "benchmarks", "label_sets.tsv")
+# it by character trigrams, DEMOS_PER_LABEL of each label, nearest last. So on the embedded path the judgement comes
+# from the demonstration pool: by default the dev split of label_sets.tsv beside this file, messages of recorded runs
+# labelled by hand by the goal (its test and goal splits never reach a prompt); --demos takes any other pool.
+# 4, not 2: at 2 even kills with kills in the pool scored under the threshold; at 4 they score 1.25-1.83.
+DEMOS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "label_sets.tsv")
 DEMOS_PER_LABEL = 4
 # A base model's score of a message is logp(" Yes") - logp(" No") for the next token; helpful above THRESHOLD,
 # paying at most 5% of dev's unhelpful steps with the message's group, and with only itself, out of the pool (as
@@ -83,27 +84,49 @@ def trigrams(text: str) -> collections.Counter:
     return collections.Counter(text[i:i + 3] for i in range(len(text) - 2))
 
 
-def load_demos(path=DEMOS_FILE) -> list:
-    """The demonstration pool: (message, label, its trigrams) of the dev split of a label_sets.tsv."""
+def load_demos(path=None) -> list:
+    """The demonstration pool, (message, label, its trigrams): the dev rows of a label_sets.tsv-style file (tab
+    separated, a header naming `message` and `label`; every row where there is no `split` column), or the caption
+    labels of a run's labels.jsonl, e.g. labels an 8B model gave through --llm-url, so that the laptop labeler copies a
+    big model's judgement. A message labelled twice keeps its last label. Raises Fatal with the reason."""
+    path = path or DEMOS_FILE
     try:
-        with open(path) as f:
-            rows = [line.rstrip("\n").split("\t") for line in f][1:]
-    except OSError as error:
-        raise Fatal(f"cannot read the demonstrations: {error}") from None
-    return [(message, int(label), trigrams(message)) for message, _, label, split, *_ in rows if split == "dev"]
+        if path.endswith(".jsonl"):
+            with open(path) as f:
+                records = [json.loads(line) for line in f if line.strip()]
+            pairs = [(r["caption"], r["label"]) for r in records if valid_record(r) and r.get("label") is not None]
+        else:
+            with open(path) as f:
+                header, *rows = [line.rstrip("\n").split("\t") for line in f] or [[]]
+            column = {name: i for i, name in enumerate(header)}
+            if not {"message", "label"} <= set(column):
+                raise ValueError("its first line must name the tab-separated columns message and label")
+            pairs = [(row[column["message"]], int(row[column["label"]])) for row in rows
+                     if "split" not in column or row[column["split"]] == "dev"]
+    except (OSError, ValueError, IndexError, KeyError) as error:
+        raise Fatal(f"cannot read the demonstrations {path}: {type(error).__name__}: {error}") from None
+    pool = dict(pairs)
+    if set(pool.values()) != {0, 1}:
+        raise Fatal(f"the demonstrations {path} hold {len(pool)} labelled messages, "
+                    f"{'none' if not pool else 'all labelled ' + str(next(iter(pool.values())))}: a pool needs both labels")
+    return [(message, int(label), trigrams(message)) for message, label in pool.items()]
+
+
+def similarity(grams: collections.Counter, demo) -> float:
+    """Cosine of two messages' trigram counts: `grams` a message's, `demo` a pool entry."""
+    norm = (sum(n * n for n in grams.values()) * sum(n * n for n in demo[2].values())) ** 0.5
+    return sum(n * demo[2][g] for g, n in grams.items()) / (norm or 1.0)
 
 
 def demonstrations(caption: str, pool: list, per_label=None) -> str:
     """The labelled messages of `pool` nearest to `caption` (cosine of trigram counts), per_label (default
     DEMOS_PER_LABEL, read at the call) of each label, the nearest last: a small model copies what it read last most."""
     per_label, grams = per_label or DEMOS_PER_LABEL, trigrams(caption)
-    norm = sum(n * n for n in grams.values()) ** 0.5
-
-    def similarity(demo):
-        return sum(n * demo[2][g] for g, n in grams.items()) / (norm * sum(n * n for n in demo[2].values()) ** 0.5)
-    nearest = [d for label in (1, 0) for d in sorted((d for d in pool if d[1] == label), key=similarity)[-per_label:]]
+    near = {id(d): similarity(grams, d) for d in pool}
+    nearest = [d for label in (1, 0) for d in sorted((d for d in pool if d[1] == label), key=lambda d: near[id(d)])
+               [-per_label:]]
     return "".join(f"Message: {m}\nProgress: {'Yes' if label else 'No'}\n" for m, label, _ in
-                   sorted(nearest, key=similarity))
+                   sorted(nearest, key=lambda d: near[id(d)]))
 
 
 def item_key(item) -> str:
@@ -163,8 +186,8 @@ def fill(prompts, name, **fields):
 class Labeler:
     """Turns one caption or pair into a label with one HTTP request to one of the servers."""
 
-    def __init__(self, urls, model, prompts, timeout_s, scored=True):
-        self.urls, self.timeout_s = [u.rstrip("/") for u in urls], timeout_s
+    def __init__(self, urls, model, prompts, timeout_s, scored=True, demos=None):
+        self.urls, self.timeout_s, self.demos = [u.rstrip("/") for u in urls], timeout_s, demos  # None: the default
         self.model, self.prompts, self.style = model, prompts, None  # style: set once the model is known
         self.scores = {}  # completion style: scores of single messages, reused across pairs
         self.scored, self.fallback_said = None if scored else False, threading.Lock()  # None: not known yet
@@ -192,7 +215,7 @@ class Labeler:
                 self.scored = None
                 print("annotator: the server did not tokenize ' Yes'/' No': answers are not restricted to them",
                       file=sys.stderr, flush=True)
-            self.demos = load_demos()
+            self.demos = self.demos or load_demos()
         self.style = style
         return self.model
 
@@ -285,9 +308,10 @@ class Manager(multiprocessing.managers.SyncManager):
 Manager.register("LabelTable", LabelTable, exposed=("put", "since", "settled"))
 
 
-def serve(*, urls, model, prompts, concurrency, run_dir, known, requests, table, stats, stop, scored, timeout_s=TIMEOUT_S):
+def serve(*, urls, model, prompts, concurrency, run_dir, known, requests, table, stats, stop, scored, demos=None,
+          timeout_s=TIMEOUT_S):
     """The annotator process: `concurrency` requests in flight, each to the least busy server not pausing."""
-    labeler, asking = Labeler(urls, model, prompts, timeout_s, scored), set()  # asking: keys in flight (a retry of
+    labeler, asking = Labeler(urls, model, prompts, timeout_s, scored, demos), set()  # asking: keys in flight (a retry of
     backlog, attempts, in_flight = collections.OrderedDict(), collections.Counter(), {}  # one must not ask it twice)
     done = set(known) | set(table.settled())  # a restarted annotator does not ask again what is answered
     latencies, counts = collections.deque(maxlen=1000), collections.Counter(stats.copy())  # counts go on
@@ -388,6 +412,10 @@ class LabelClient:
     def __init__(self, args):
         self.args, self.server, self.process, self.final_stats, self.prompts = args, None, None, None, dict(PROMPTS)
         self.records_read, self.restarts, self.next_check = 0, 0, 0.0  # records_read: the table cursor
+        try:  # read now: a bad pool is an error before anything starts, not in the annotator later
+            self.demos = load_demos(getattr(args, "demos", None))
+        except Fatal as error:
+            raise SystemExit(f"error: --demos: {error}")
         if args.prompt_file:
             try:
                 with open(args.prompt_file) as f:
@@ -428,7 +456,7 @@ class LabelClient:
         process = self.ctx.Process(target=_serve_process, daemon=True, kwargs=dict(
             urls=self.urls, model=self.args.llm_model, prompts=self.prompts, concurrency=self.concurrency,
             run_dir=self.run_dir, known=self.known, requests=self.requests, table=self.table,
-            stats=self.shared_stats, stop=self.stop, scored=self.scored))
+            stats=self.shared_stats, stop=self.stop, scored=self.scored, demos=self.demos))
         process.start()
         self.process = process  # only once started: close() joins it
 

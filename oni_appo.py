@@ -88,6 +88,9 @@ class Args:
     """CPU threads of the embedded LLM server (default: the cores left over by the env workers, >= 1)"""
     prompt_file: str | None = None
     """JSON file with your own prompt templates (see annotator.py)"""
+    demos: str | None = None
+    """the embedded labeler's demonstration pool: a label_sets.tsv-style file (its dev rows) or a run's labels.jsonl,
+    e.g. one an 8B model labelled through --llm-url (default: label_sets.tsv beside this file)"""
     labels_from: str | None = None
     """seed the label table with a labels.jsonl of an earlier run; motif: the pairs to train on"""
     run_dir: str | None = None

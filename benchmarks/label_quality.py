@@ -2,16 +2,20 @@
 
     python benchmarks/label_quality.py                   # the embedded labeler (starts it) on the test sets
     python benchmarks/label_quality.py --calibrate --baseline  # THRESHOLD chosen on dev first; the old labeler after
-    python benchmarks/label_quality.py --calibrate --demos 3  # another number of demonstrations of each label
+    python benchmarks/label_quality.py --calibrate --per-label 3  # another number of demonstrations of each label
     python benchmarks/label_quality.py --greedy          # the embedded server without log-probabilities
     python benchmarks/label_quality.py --cost 60         # score vs greedy token, side by side, on 60 test messages
     python benchmarks/label_quality.py --llm-url URL     # any OpenAI-compatible server (chat prompts too)
+    python benchmarks/label_quality.py --demos RUN/labels.jsonl  # another demonstration pool, as oni_appo's --demos
 
-Sets. `label_sets.tsv`: messages of this repo's recorded runs (results/**/messages.tsv), labelled by hand where
-the paper's goal (score: kill monsters, collect gold, descend, level up, find things) makes the label obvious,
-ambiguous ones left out (a pet dropping gold, a corpse, a door that opens, helpful and harmful in one message);
-`steps` sums the steps that showed a message over the runs, so the figures weigh messages as young agents see
-them. Split by near-copy group (`group`: the message with names, numbers, letters and item lists replaced, per
+Sets. `label_sets.tsv` (beside the method files: its dev split is the embedded labeler's demonstration pool):
+messages of this repo's recorded runs (results/**/messages.tsv), labelled by hand where the paper's goal (score:
+kill monsters, collect gold, descend, level up, find things) makes the label obvious, ambiguous ones left out (a
+corpse, a door that opens, helpful and harmful in one message); the pet's doings are not the player's progress.
+`steps` sums the steps that showed a message over the runs, `firsts` its pay weight (what R = 1 would have paid it
+under the count normalization, ~ the episodes it was seen in; benchmarks/runs.py), so the figures weigh messages as
+young agents see them and as the policy is paid for them. `goal`: the goal's own events and their near-misses
+(`kind`), written by the goal and kept out of the pool, each counted once. Split by near-copy group (`group`: the message with names, numbers, letters and item lists replaced, per
 sentence; a message whose sentences' groups fall on both sides is left out): no test message nor a near-copy of
 one is in the dev split, which is the annotator's demonstration pool and the only set choices are made on. Dev
 is asked two ways: its own near-copy group left out of the pool (as a new message is asked), and only the message
@@ -20,11 +24,13 @@ production check, a check of the training distribution, not a test (it is the po
 step each, none in the dev split verbatim (some have near-copies there).
 
 Figures: agreement (per distinct message), the share of unhelpful steps labelled helpful (paid), the share of
-helpful steps paid, ms a label; for completion prompts also pairs (one helpful, one not, both orders) whose
+helpful steps paid, the same two by pay weight, ms a label; beside the labeler, what carries its knowledge: the
+same pool as a k-nearest-neighbour lookup by trigrams (k = 1, 3; no LLM) and the model with no demonstrations; for completion prompts also pairs (one helpful, one not, both orders) whose
 preference comes from the two scores. `--baseline` adds the labeler as it was before demonstrations and scores
 (fixed prompt, one greedy token, No favoured by 0.25), on a server without --logits_all, timed in the same run.
 """
 import argparse
+import collections
 import os
 import sys
 import time
@@ -62,43 +68,72 @@ BASELINE_PROMPT = (  # the completion prompt before demonstrations (commit e6b09
     "Message: You have a little trouble lifting the boulder.\nProgress: No\n" "Message: {caption}\nProgress:")
 
 
-def load_sets(path=annotator.DEMOS_FILE):
-    """{"dev": rows, "test": rows, "old50": rows}, a row (message, steps, label, group)."""
-    sets = {"dev": [], "test": [], "old50": [(m, 1, 1, m) for m in GOOD] + [(m, 1, 0, m) for m in BAD]}
-    with open(path) as f:
-        for line in list(f)[1:]:
-            message, steps, label, split, group = line.rstrip("\n").split("\t")
-            sets[split].append((message, int(steps), int(label), group))
-    dev = {m for m, *_ in sets["dev"]}
-    assert not dev & {m for name in ("test", "old50") for m, *_ in sets[name]}, "a test message in the dev split"
-    assert not {g for *_, g in sets["dev"]} & {g for *_, g in sets["test"]}, "a test near-copy in the dev split"
+Row = collections.namedtuple("Row", "message steps label group firsts kind")
+
+
+def load_sets(path=None):
+    """{"dev", "test", "goal", "old50"}: lists of Row. Asserts that no test or goal message is in the dev split and
+    that no test near-copy group is (goal messages may share a group with the pool: that is what it generalizes)."""
+    sets = {"dev": [], "test": [], "goal": [], "old50": [Row(m, 1, 1, m, 1.0, "") for m in GOOD] +
+            [Row(m, 1, 0, m, 1.0, "") for m in BAD]}
+    with open(path or annotator.DEMOS_FILE) as f:
+        header, *lines = [line.rstrip("\n").split("\t") for line in f]
+    for line in lines:
+        row = dict(zip(header, line))
+        once = row["split"] == "goal"  # a goal message counts once, whatever the runs showed of it
+        sets[row["split"]].append(Row(row["message"], 1 if once else int(row["steps"]), int(row["label"]),
+                                      row["group"], 1.0 if once else float(row["firsts"]), row.get("kind", "")))
+    dev = {r.message for r in sets["dev"]}
+    assert not dev & {r.message for name in ("test", "goal", "old50") for r in sets[name]}, "a test message in dev"
+    assert not {r.group for r in sets["dev"]} & {r.group for r in sets["test"]}, "a test near-copy in the dev split"
     return sets
 
 
+def pool_without(pool, rows, message, leave_out):
+    """The pool a message is asked with: without its near-copy group (leave_out="group": dev as a new message sees
+    it), without only itself (leave_out="message": dev as training asks a frequent message, its near-copies in the
+    pool), whole (None: the test and goal sets, which it does not hold), or empty ("all": no demonstrations)."""
+    if leave_out == "all":
+        return []
+    group_of = {r.message: r.group for r in rows}
+    return [d for d in pool if leave_out is None or d[0] != message and (
+        leave_out == "message" or group_of.get(d[0]) != group_of[message])]
+
+
 def scores(labeler, rows, leave_out=None):
-    """Each message's score (completion prompts) or label (chat prompts), and the seconds it all took. The
-    demonstration pool lacks, per message, its near-copy group (leave_out="group": dev as a new message sees it)
-    or only the message itself (leave_out="message": dev as training sees a frequent message, its near-copies in
-    the pool); the test sets are asked with the whole pool (leave_out=None), which holds none of them."""
+    """Each message's score (completion prompts) or label (chat prompts), and the seconds it all took."""
     pool, out, start = labeler.demos if labeler.style == "completion" else [], [], time.time()
-    group_of = {m: g for m, _, _, g in rows}
-    for message, *_ in rows:
+    for row in rows:
         if labeler.style == "chat":
-            out.append(labeler.ask(message))
+            out.append(labeler.ask(row.message))
             continue
-        labeler.demos = [d for d in pool if leave_out is None or d[0] != message and (
-            leave_out == "message" or group_of.get(d[0]) != group_of[message])]
-        out.append(labeler.score(message, 0))
+        labeler.demos = pool_without(pool, rows, row.message, leave_out)
+        out.append(labeler.score(row.message, 0))
     labeler.demos = pool
     return out, time.time() - start
 
 
+def nearest_labels(pool, rows, k, leave_out=None):
+    """The pool as a k-nearest-neighbour lookup, no LLM: the majority label of the k messages nearest by trigrams
+    (the annotator's similarity), each message asked with the pool scores() would give it; (labels, seconds)."""
+    out, start = [], time.time()
+    for row in rows:
+        grams = annotator.trigrams(row.message)
+        near = sorted(pool_without(pool, rows, row.message, leave_out),
+                      key=lambda d: annotator.similarity(grams, d))[-k:]
+        out.append(int(sum(d[1] for d in near) * 2 > len(near)))
+    return out, time.time() - start
+
+
 def figures(rows, labels):
-    """(agreement, share of unhelpful steps paid, share of helpful steps paid); unparseable counts as not paid."""
-    steps = {truth: sum(s for _, s, t, _ in rows if t == truth) or 1 for truth in (0, 1)}
-    paid = {truth: sum(s for (_, s, t, _), y in zip(rows, labels) if t == truth and y == 1) for truth in (0, 1)}
-    agreement = sum(y == t for (_, _, t, _), y in zip(rows, labels)) / len(rows)
-    return agreement, paid[0] / steps[0], paid[1] / steps[1]
+    """(agreement, unhelpful steps paid, helpful steps paid, unhelpful pay paid, helpful pay paid): the shares of
+    the steps and of the pay weight of each true class that the labels call helpful; unparseable is not paid."""
+    shares = []
+    for weight in (lambda r: r.steps, lambda r: r.firsts):
+        total = {truth: sum(weight(r) for r in rows if r.label == truth) or 1 for truth in (0, 1)}
+        paid = {truth: sum(weight(r) for r, y in zip(rows, labels) if r.label == truth and y == 1) for truth in (0, 1)}
+        shares += [paid[0] / total[0], paid[1] / total[1]]
+    return (sum(y == r.label for r, y in zip(rows, labels)) / len(rows), *shares)
 
 
 def to_labels(labeler, values, threshold):
@@ -109,8 +144,8 @@ def to_labels(labeler, values, threshold):
 
 def pair_figures(rows, values, tie_margin):
     """Pairs of one helpful and one unhelpful message, both orders, preferred by score: (right, ties, wrong)."""
-    good = [v for (_, _, t, _), v in zip(rows, values) if t == 1 and v is not annotator.UNPARSEABLE]
-    bad = [v for (_, _, t, _), v in zip(rows, values) if t == 0 and v is not annotator.UNPARSEABLE]
+    good = [v for r, v in zip(rows, values) if r.label == 1 and v is not annotator.UNPARSEABLE]
+    bad = [v for r, v in zip(rows, values) if r.label == 0 and v is not annotator.UNPARSEABLE]
     diffs = [g - b for g in good for b in bad] or [0.0]
     right = sum(d >= tie_margin for d in diffs) / len(diffs)
     ties = sum(abs(d) < tie_margin for d in diffs) / len(diffs)
@@ -133,7 +168,7 @@ def calibrate(labeler, dev, measured):
     threshold = max(allowed, key=lambda t: sum(r[0] + r[2] for r in results[t]))
     for t in sorted({round(t, 1) for t in candidates} | {round(threshold, 2)}):
         print(f"dev: THRESHOLD {t:6.2f}: " + "; ".join(
-            f"{way}: agreement {a:.0%}, unhelpful steps paid {u:.1%}, helpful steps paid {h:.0%}" for way, (a, u, h)
+            f"{way}: agreement {a:.0%}, unhelpful steps paid {u:.1%}, helpful steps paid {h:.0%}" for way, (a, u, h, *_)
             in zip(("group out", "message out"), (figures(dev, to_labels(labeler, v, t)) for v in ways))))
     for margin in (0.0, 0.1, 0.25, 0.5, 1.0, 2.0):
         print(f"dev: TIE_MARGIN {margin:4.2f}: pairs prefer the helpful one {{:.0%}}, ties {{:.0%}}, the other "
@@ -143,42 +178,56 @@ def calibrate(labeler, dev, measured):
 
 
 CHECKS = (  # (what is measured, its rows, what the pool lacks per message)
-    ("test", "test", None), ("old50", "old50", None),
+    ("test", "test", None), ("goal", "goal", None), ("old50", "old50", None),
     # Not a test set (the pool labels itself): training asks its frequent messages with their near-copies in the
     # pool, which leave-group-out dev never does; "You kill the newt!" at 0.81 passed dev and failed here.
     ("the production check (dev, whole pool but the message: training's distribution, not a test)", "dev", "message"))
 
 
-SPOT = ("You kill the newt!", "You kill the jackal!", "You kill the kobold!")  # paid nothing at 2 demonstrations
+def line(name, rows, labels, elapsed):
+    agreement, unhelpful, helpful, unhelpful_pay, helpful_pay = figures(rows, labels)
+    return (f"  {name:<34} agreement {agreement:6.1%}; paid: unhelpful steps {unhelpful:5.1%}, helpful steps "
+            f"{helpful:6.1%}, unhelpful pay {unhelpful_pay:5.1%}, helpful pay {helpful_pay:6.1%}; "
+            f"{elapsed / len(rows) * 1000:6.1f} ms a label")
 
 
-def report(name, labeler, sets, threshold, measured=None):
-    """The figures of each of CHECKS; `measured` holds scores already asked, by (split, leave_out)."""
+def misses(rows, labels, limit=None):
+    wrong = sorted(((r.steps, r.message, r.label, y, r.kind) for r, y in zip(rows, labels) if y != r.label),
+                   reverse=True)
+    for steps, message, truth, label, kind in wrong[:limit]:
+        shown = "unparseable" if label is annotator.UNPARSEABLE else label
+        print(f"    wrong: {message!r} ({kind or f'{steps:,} steps'}) expected {truth}, got {shown}")
+
+
+def report(name, labeler, sets, threshold, measured=None, baselines=False):
+    """The figures of each of CHECKS; `measured` holds scores already asked, by (split, leave_out). With baselines,
+    beside the labeler: its pool as a 1- and 3-nearest-neighbour lookup and the model with no demonstrations."""
     for set_name, split, leave_out in CHECKS:
         rows = sets[split]
         values, elapsed = (measured or {}).get((split, leave_out)) or scores(labeler, rows, leave_out)
         labels = to_labels(labeler, values, threshold)
-        agreement, unhelpful, helpful = figures(rows, labels)
         if labeler.style == "completion":  # known once the server has answered
             name = name.split(", ")[0].rstrip(")") + (", score)" if labeler.scored else ", greedy Yes/No)")
-        print(f"{name} on {set_name} ({len(rows)} messages, {sum(s for _, s, _, _ in rows):,} steps): agreement "
-              f"{agreement:.1%}, unhelpful steps paid {unhelpful:.1%}, helpful steps paid {helpful:.1%}, "
-              f"{elapsed / len(rows) * 1000:.0f} ms a label", flush=True)
+        print(f"on {set_name} ({len(rows)} messages, {sum(r.steps for r in rows):,} steps, pay weight "
+              f"{sum(r.firsts for r in rows):,.0f}):\n" + line(name, rows, labels, elapsed), flush=True)
+        if baselines and labeler.style == "completion":
+            for k in (1, 3):
+                print(line(f"{k}-nearest lookup of the pool, no LLM", rows,
+                           *nearest_labels(labeler.demos, rows, k, leave_out)))
+            bare, elapsed = scores(labeler, rows, "all")
+            print(line("the model, no demonstrations", rows, to_labels(labeler, bare, threshold), elapsed), flush=True)
         if labeler.style == "completion":
             print("  pairs by score (one helpful, one not): {:.0%} prefer the helpful one, {:.0%} ties, {:.0%} "
                   "the other".format(*pair_figures(rows, values, annotator.TIE_MARGIN)))
-        if leave_out == "message" and labeler.style == "completion":  # verbatim in the pool, as training asks them
-            print("  as training asks these dev messages (the whole pool, themselves in it): " + ", ".join(
-                f"{m!r} {v if v is annotator.UNPARSEABLE else round(v, 2)}" for m, v in
-                zip(SPOT, [labeler.score(m, 0) for m in SPOT])))
-        wrong = sorted(((s, m, t, y) for (m, s, t, _), y in zip(rows, labels) if y != t), reverse=True)
-        for steps, message, truth, label in wrong[:12]:
-            shown = "unparseable" if label is annotator.UNPARSEABLE else label
-            print(f"    wrong: {message!r} ({steps:,} steps) expected {truth}, got {shown}")
+        if set_name == "goal":  # per kind of event, and every miss
+            for kind in dict.fromkeys(r.kind for r in rows):
+                right = [y == r.label for r, y in zip(rows, labels) if r.kind == kind]
+                print(f"    {kind:<34} {sum(right)}/{len(right)}")
+        misses(rows, labels, None if set_name == "goal" else 12)
 
 
-def labeler_at(url, model, prompts=annotator.PROMPTS, scored=True):
-    labeler = annotator.Labeler([url], model, prompts, annotator.TIMEOUT_S, scored)
+def labeler_at(url, model, prompts=annotator.PROMPTS, scored=True, demos=None):
+    labeler = annotator.Labeler([url], model, prompts, annotator.TIMEOUT_S, scored, demos)
     labeler.resolve_model()
     return labeler
 
@@ -190,7 +239,7 @@ def cost(rows):
     try:
         labelers = [labeler_at(url, None, scored=scored) for (_, url), scored in zip(servers, (True, False))]
         seconds, same = [0.0, 0.0], 0
-        for message, *_ in rows:
+        for message, *_ in rows:  # (a Row)
             labels = []
             for i, labeler in enumerate(labelers):
                 started = time.perf_counter()
@@ -210,19 +259,20 @@ def main():
     parser.add_argument("--model", default=None, help="model name (default: the server's first)")
     parser.add_argument("--calibrate", action="store_true", help="choose THRESHOLD on the dev split first")
     parser.add_argument("--baseline", action="store_true", help="also the labeler before demonstrations and scores")
-    parser.add_argument("--demos", type=int, default=annotator.DEMOS_PER_LABEL,
+    parser.add_argument("--demos", default=None, help="the demonstration pool, as oni_appo.py's --demos")
+    parser.add_argument("--per-label", type=int, default=annotator.DEMOS_PER_LABEL,
                         help="demonstrations of each label in a completion prompt (default: DEMOS_PER_LABEL)")
     parser.add_argument("--greedy", action="store_true", help="the embedded server without log-probabilities "
                         "(faster): a greedy Yes/No, the same decision at THRESHOLD, no score for pairs")
     parser.add_argument("--cost", type=int, metavar="N", help="only time score vs greedy token on N test messages")
     args = parser.parse_args()
     sets = load_sets()
-    annotator.DEMOS_PER_LABEL = args.demos
+    annotator.DEMOS_PER_LABEL = args.per_label
     if args.cost:
         return cost(sets["test"][:args.cost])
     server, url = (None, args.llm_url) if args.llm_url else llm_server.start(scored=not args.greedy)
     try:
-        labeler = labeler_at(url, args.model, scored=not args.greedy)
+        labeler = labeler_at(url, args.model, scored=not args.greedy, demos=annotator.load_demos(args.demos))
         mode = ("chat prompts, label parsed from the <label> tag" if labeler.style == "chat" else
                 f"completion prompts, {annotator.DEMOS_PER_LABEL} demonstrations of each label")
         print(f"model {labeler.model} at {url}: {mode}", flush=True)
@@ -230,7 +280,7 @@ def main():
         threshold = calibrate(labeler, sets["dev"], measured) if args.calibrate and labeler.style == "completion" \
             else annotator.THRESHOLD
         annotator.THRESHOLD = threshold
-        report(f"labeler (THRESHOLD {threshold:.2f})", labeler, sets, threshold, measured)
+        report(f"labeler (THRESHOLD {threshold:.2f})", labeler, sets, threshold, measured, baselines=True)
     finally:
         if server is not None:
             llm_server.stop(server)

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-LABEL_SETS = os.path.join(ROOT, "benchmarks", "label_sets.tsv")
+LABEL_SETS = os.path.join(ROOT, "label_sets.tsv")
 
 
 @dataclass

@@ -26,13 +26,13 @@ class Annotator:
     """`annotator.serve` in a thread, with a plain LabelTable and dict in place of the Manager's proxies."""
 
     def __init__(self, url, run_dir, known=(), timeout_s=5.0, model=None, prompts=annotator.PROMPTS, concurrency=4,
-                 scored=True):
+                 scored=True, demos=None):
         self.requests, self.stop = queue.Queue(), threading.Event()
         self.table, self.stats, self.concurrency = annotator.LabelTable(), {}, concurrency
         self.thread = threading.Thread(target=annotator.serve, daemon=True, kwargs=dict(
             urls=url if isinstance(url, list) else [url], model=model, prompts=prompts, concurrency=concurrency,
             run_dir=str(run_dir), known=set(known), requests=self.requests, table=self.table, stats=self.stats,
-            stop=self.stop, scored=scored, timeout_s=timeout_s))
+            stop=self.stop, scored=scored, demos=demos, timeout_s=timeout_s))
         self.thread.start()
 
     @property
@@ -708,9 +708,43 @@ def test_a_pair_preference_comes_from_the_two_scores_a_tie_only_when_close(fake,
 def test_demonstrations_come_from_the_dev_split_nearest_last():
     pool = annotator.load_demos()
     with open(annotator.DEMOS_FILE) as f:
-        test = {line.split("\t")[0] for line in f if line.rstrip("\n").split("\t")[3] == "test"}
-    assert pool and not {m for m, _, _ in pool} & test  # the test split never reaches a prompt
+        held_out = {line.split("\t")[0] for line in f if line.rstrip("\n").split("\t")[3] in ("test", "goal")}
+    assert pool and not {m for m, _, _ in pool} & held_out  # the test and goal splits never reach a prompt
     shown = annotator.demonstrations("You kill the gnome lord!", pool, per_label=2)
     lines = shown.splitlines()
     assert [line.split(": ")[1] for line in lines[1::2]].count("Yes") == 2 and len(lines) == 8
     assert lines[-2].startswith("Message: You kill the ") and lines[-1] == "Progress: Yes"
+
+
+def test_demos_come_from_a_tsv_or_a_runs_labels_and_a_bad_pool_is_a_one_line_error(fake, tmp_path):
+    """Guards --demos: a pool from a label_sets.tsv-style file (dev rows only where it has splits) or from a run's
+    labels.jsonl (captions with a label; pairs and unknowns left out; the last label wins) reaches the prompt; an
+    unreadable, empty, headerless or one-class pool stops the run before it starts, in one line."""
+    tsv, jsonl, flat = tmp_path / "sets.tsv", tmp_path / "labels.jsonl", tmp_path / "flat.tsv"
+    tsv.write_text("message\tsteps\tlabel\tsplit\nYou slay the dragon!\t3\t1\tdev\nYou yawn.\t9\t0\tdev\n"
+                   "You kill the newt!\t5\t1\ttest\n")
+    flat.write_text("label\tmessage\n1\tYou slay the dragon!\n0\tYou yawn.\n")
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in [
+        {"caption": "You slay the dragon!", "label": 0}, {"caption": "You yawn.", "label": 0},
+        {"caption": "You hear a yawn.", "label": None}, {"pair": ["a", "b"], "preference": 1},
+        {"caption": "You slay the dragon!", "label": 1}]))
+    for path in (tsv, flat, jsonl):
+        client = annotator.LabelClient(client_args(fake.url, demos=str(path)))
+        assert sorted((m, label) for m, label, _ in client.demos) == [("You slay the dragon!", 1), ("You yawn.", 0)]
+    a = Annotator(fake.url, tmp_path, demos=client.demos)
+    a.send(["You slay the wolf!"])
+    assert a.wait_for(lambda: len(a.labels) == 1)
+    a.close()
+    if fake.model == "fake-base":  # the run's pool, not the shipped one, is what the prompt shows
+        assert fake.calls[-1][1]["prompt"].count("Message: ") == 3 and "You slay the dragon!" in fake.calls[-1][1]["prompt"]
+    one_class = tmp_path / "one.tsv"
+    one_class.write_text("message\tlabel\nYou yawn.\t0\nIt's a wall.\t0\n")
+    headerless = tmp_path / "headerless.tsv"
+    headerless.write_text("You yawn.\t0\n")
+    (tmp_path / "empty.jsonl").write_text("")
+    for path, says in ((tmp_path / "missing.tsv", "No such file"), (tmp_path / "empty.jsonl", "hold 0 labelled"),
+                       (one_class, "all labelled 0: a pool needs both labels"), (headerless, "must name")):
+        with pytest.raises(SystemExit) as error:
+            annotator.LabelClient(client_args(fake.url, demos=str(path)))
+        assert str(error.value).startswith("error: --demos: ") and says in str(error.value)
+        assert "\n" not in str(error.value)

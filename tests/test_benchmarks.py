@@ -43,20 +43,29 @@ def test_profile_update_counts_the_update_arithmetic_and_times_bf16():
     assert 0 < off_by < 0.1 and 0 < grad_off_by < 0.5  # bf16 autocast ran (a different loss), and is close
 
 
-def test_label_quality_weighs_by_steps_and_keeps_the_test_split_out_of_dev():
+def test_label_quality_weighs_by_steps_and_pay_and_keeps_the_test_and_goal_sets_out_of_dev():
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import label_quality
-    sets = label_quality.load_sets()  # asserts that no test message nor near-copy group is in the dev split
-    assert min(len(sets["dev"]), len(sets["test"])) >= 200 and len(sets["old50"]) == 50
+    sets = label_quality.load_sets()  # asserts that no test or goal message nor a test near-copy is in the dev split
+    assert min(len(sets["dev"]), len(sets["test"])) >= 200 and len(sets["old50"]) == 50 and len(sets["goal"]) >= 40
     for name in ("dev", "test"):  # both sides hold helpful messages and the frequent unhelpful kinds
-        assert {t for _, _, t, _ in sets[name]} == {0, 1} and max(s for _, s, _, _ in sets[name]) > 100_000
-    rows = [("It's a wall.", 90, 0, "a"), ("Never mind.", 10, 0, "b"), ("You kill the newt!", 3, 1, "c"),
-            ("$ - 2 gold pieces.", 1, 1, "d")]
-    # one label in four wrong, on the message that showed on 90 of 100 unhelpful steps
-    assert label_quality.figures(rows, [1, 0, 1, 1]) == (0.75, 0.9, 1.0)
-    assert label_quality.figures(rows, [0, 0, 0, 1]) == (0.75, 0.0, 0.25)
+        assert {r.label for r in sets[name]} == {0, 1} and max(r.steps for r in sets[name]) > 100_000
+        assert all(0 < r.firsts <= r.steps for r in sets[name] if r.steps)  # a pay weight is at most the steps
+    kinds = {r.kind for r in sets["goal"]}  # the goal's events and the near-misses that must not pay
+    assert {"descend by stairs", "pet picks up", "pet kills", "gold picked up", "player dies or starves"} <= kinds
+    Row = label_quality.Row
+    rows = [Row("It's a wall.", 90, 0, "a", 2.0, ""), Row("Never mind.", 10, 0, "b", 8.0, ""),
+            Row("You kill the newt!", 3, 1, "c", 3.0, ""), Row("$ - 2 gold pieces.", 1, 1, "d", 1.0, "")]
+    # one label in four wrong, on the message that showed on 90 of 100 unhelpful steps but on 2 of 10 first sightings
+    assert label_quality.figures(rows, [1, 0, 1, 1]) == (0.75, 0.9, 1.0, 0.2, 1.0)
+    assert label_quality.figures(rows, [0, 0, 0, 1]) == (0.75, 0.0, 0.25, 0.0, 0.25)
     # pairs (helpful, unhelpful) by score: 3-(-1) and 0.2-(-1) prefer the helpful one; 0.2-0.1 is a tie
     assert label_quality.pair_figures(rows, [0.1, -1.0, 3.0, 0.2], tie_margin=0.5) == (0.75, 0.25, 0.0)
+    pool = [("You kill the newt!", 1, None), ("It's a wall.", 0, None), ("It's solid stone.", 0, None)]
+    pool = [(m, label, label_quality.annotator.trigrams(m)) for m, label, _ in pool]
+    asked = [Row("You kill the jackal!", 1, 1, "e", 1.0, ""), Row("It's a wall!", 1, 0, "f", 1.0, "")]
+    assert label_quality.nearest_labels(pool, asked, k=1)[0] == [1, 0]  # the lookup copies its nearest label
+    assert label_quality.nearest_labels(pool, asked, k=3)[0] == [0, 0]  # ... or the majority of the three
 
 
 def test_label_scale_prints_each_figure_of_each_case():

@@ -7,6 +7,7 @@
     python benchmarks/label_quality.py --cost 60         # score vs greedy token, side by side, on 60 test messages
     python benchmarks/label_quality.py --llm-url URL     # any OpenAI-compatible server (chat prompts too)
     python benchmarks/label_quality.py --demos RUN/labels.jsonl  # another demonstration pool, as oni_appo's --demos
+    python benchmarks/label_quality.py --run RUN_DIR     # a run's own labels.jsonl against the hand labels
 
 Sets. `label_sets.tsv` (beside the method files: its dev split is the embedded labeler's demonstration pool):
 messages of this repo's recorded runs (results/**/messages.tsv), labelled by hand where the paper's goal (score:
@@ -38,6 +39,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import annotator  # noqa: E402
 import llm_server  # noqa: E402
+import runs  # noqa: E402
 
 GOOD = [
     "You destroy the kobold zombie!", "You destroy the gnome mummy!", "You destroy the human zombie!",
@@ -199,10 +201,13 @@ def misses(rows, labels, limit=None):
         print(f"    wrong: {message!r} ({kind or f'{steps:,} steps'}) expected {truth}, got {shown}")
 
 
-def report(name, labeler, sets, threshold, measured=None, baselines=False):
-    """The figures of each of CHECKS; `measured` holds scores already asked, by (split, leave_out). With baselines,
-    beside the labeler: its pool as a 1- and 3-nearest-neighbour lookup and the model with no demonstrations."""
+def report(name, labeler, sets, threshold, measured=None, baselines=False, only=None):
+    """The figures of each of CHECKS (those of `only` if given); `measured` holds scores already asked, by (split,
+    leave_out). With baselines, beside the labeler: its pool as a 1- and 3-nearest-neighbour lookup and the model
+    with no demonstrations."""
     for set_name, split, leave_out in CHECKS:
+        if only and split not in only:
+            continue
         rows = sets[split]
         values, elapsed = (measured or {}).get((split, leave_out)) or scores(labeler, rows, leave_out)
         labels = to_labels(labeler, values, threshold)
@@ -253,6 +258,31 @@ def cost(rows):
           f"{seconds[1] / len(rows) * 1000:.0f} ms ({seconds[0] / seconds[1]:.1f}x); the same label on {same}")
 
 
+def check_run(run_dir, sets):
+    """A run's own labels (labels.jsonl, as the annotator gave them in the run) against the hand labels of every
+    set, per kind, and where the run's pay went (messages.tsv): no LLM is asked."""
+    labels, (messages, exact) = runs.llm_labels(run_dir), runs.read_messages(run_dir)
+    hand = {r.message: r for rows in sets.values() for r in rows}
+    known = [(hand[m], label) for m, label in labels.items() if m in hand]
+    print(f"{run_dir}: {len(labels)} captions labelled, {len(known)} of them hand-labelled: agreement "
+          f"{sum(r.label == y for r, y in known) / max(1, len(known)):.1%}")
+    kinds = collections.defaultdict(list)
+    for r, y in known:
+        kinds[r.kind or "(unkinded)"].append(r.label == y)
+    for kind, right in sorted(kinds.items()):
+        print(f"    {kind:<34} {sum(right)}/{len(right)}")
+    for r, y in known:
+        if r.label != y:
+            print(f"    wrong: {r.message!r} expected {r.label}, got {y}")
+    paid = {m: v.paid for m, v in messages.items()}
+    total = sum(paid.values()) or 1.0
+    for truth, name in ((0, "hand-unhelpful"), (1, "hand-helpful")):
+        share = sum(p for m, p in paid.items() if m in hand and hand[m].label == truth) / total
+        print(f"  share of the run's pay to {name} messages: {share:.1%}")
+    print(f"  share of the run's pay to messages in no set: "
+          f"{sum(p for m, p in paid.items() if m not in hand) / total:.1%} (pay weights {'exact' if exact else 'estimated'})")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--llm-url", default=None, help="an OpenAI-compatible base URL (default: embedded)")
@@ -265,8 +295,12 @@ def main():
     parser.add_argument("--greedy", action="store_true", help="the embedded server without log-probabilities "
                         "(faster): a greedy Yes/No, the same decision at THRESHOLD, no score for pairs")
     parser.add_argument("--cost", type=int, metavar="N", help="only time score vs greedy token on N test messages")
+    parser.add_argument("--run", metavar="RUN_DIR", help="only a run's own labels against the hand labels")
+    parser.add_argument("--sets", nargs="+", choices=("test", "goal", "old50", "dev"), help="only these sets")
     args = parser.parse_args()
     sets = load_sets()
+    if args.run:
+        return check_run(args.run, sets)
     annotator.DEMOS_PER_LABEL = args.per_label
     if args.cost:
         return cost(sets["test"][:args.cost])
@@ -280,7 +314,7 @@ def main():
         threshold = calibrate(labeler, sets["dev"], measured) if args.calibrate and labeler.style == "completion" \
             else annotator.THRESHOLD
         annotator.THRESHOLD = threshold
-        report(f"labeler (THRESHOLD {threshold:.2f})", labeler, sets, threshold, measured, baselines=True)
+        report(f"labeler (THRESHOLD {threshold:.2f})", labeler, sets, threshold, measured, True, args.sets)
     finally:
         if server is not None:
             llm_server.stop(server)
@@ -289,7 +323,7 @@ def main():
         try:
             baseline = labeler_at(url, args.model, {**annotator.PROMPTS, "label_completion": BASELINE_PROMPT})
             baseline.scored, annotator.THRESHOLD = False, 0.25  # the greedy token's bias then: No +0.25
-            report("baseline (fixed prompt, greedy token)", baseline, sets, 0.25)
+            report("baseline (fixed prompt, greedy token)", baseline, sets, 0.25, only=args.sets)
         finally:
             llm_server.stop(server)
 

@@ -94,8 +94,10 @@ def load_demos(path=DEMOS_FILE) -> list:
     return [(message, int(label), trigrams(message)) for message, _, label, split, *_ in rows if split == "dev"]
 
 
-def demos_record(path=DEMOS_FILE) -> dict:
-    """The demonstration pool's file and its sha256 (None: unreadable), for a run's record of what made it."""
+def demos_record(path=None) -> dict:
+    """The demonstration pool's file (default DEMOS_FILE) and its sha256 (None: unreadable), for a run's record
+    of what made it."""
+    path = path or DEMOS_FILE
     try:
         with open(path, "rb") as f:
             return {"file": path, "sha256": hashlib.sha256(f.read()).hexdigest()}

@@ -643,11 +643,12 @@ def test_a_run_split_by_two_resumes_reports_the_totals_of_its_pieces(tmp_path):
         assert not path.is_file() or fake.key.encode() not in path.read_bytes(), path
     assert fake.key not in outputs
     def git(*argv):
-        return subprocess.run(["git", *argv], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+        return subprocess.run(["git", *argv], cwd=ROOT, capture_output=True, text=True)
+    head, changes = git("rev-parse", "HEAD"), git("status", "--porcelain", "--untracked-files=no")
+    code = (head.stdout.strip(), bool(changes.stdout)) if head.returncode == 0 else ("unknown", "unknown")
     pool = hashlib.sha256(open(annotator.DEMOS_FILE, "rb").read()).hexdigest()
     for n, (record, steps) in enumerate(zip(records, (4000, 8000, 12000))):
-        assert (record["commit"], record["uncommitted_changes"]) == (
-            git("rev-parse", "HEAD"), bool(git("status", "--porcelain", "--untracked-files=no")))
+        assert (record["commit"], record["uncommitted_changes"]) == code
         assert record["flags"]["total_env_steps"] == steps and record["flags"]["reward_type"] == "retrieval"
         assert record["flags"]["resume"] == (os.path.join(run_dir, "checkpoint.pt") if n else None)
         assert record["demonstrations"] == {"file": annotator.DEMOS_FILE, "sha256": pool}

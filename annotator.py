@@ -6,6 +6,7 @@ that is down, slow or dies never blocks training; an error that retrying cannot 
 import collections
 import concurrent.futures
 import contextlib
+import hashlib
 import json
 import multiprocessing.managers
 import os
@@ -118,6 +119,17 @@ def similarity(grams: collections.Counter, demo) -> float:
     return sum(n * demo[2][g] for g, n in grams.items()) / (norm or 1.0)
 
 
+def demos_record(path=None) -> dict:
+    """The demonstration pool's file (default DEMOS_FILE) and its sha256 (None: unreadable), for a run's record
+    of what made it."""
+    path = path or DEMOS_FILE
+    try:
+        with open(path, "rb") as f:
+            return {"file": path, "sha256": hashlib.sha256(f.read()).hexdigest()}
+    except OSError:
+        return {"file": path, "sha256": None}
+
+
 def demonstrations(caption: str, pool: list, per_label=None) -> str:
     """The labelled messages of `pool` nearest to `caption` (cosine of trigram counts), per_label (default
     DEMOS_PER_LABEL, read at the call) of each label, the nearest last: a small model copies what it read last most."""
@@ -167,6 +179,10 @@ def fatal_reason(error):
     """Why retrying cannot help, else None: down, slow, 5xx, 408, 429 are retried; any other 4xx is fatal."""
     if not isinstance(error, urllib.error.HTTPError) or error.code >= 500 or error.code in (408, 429):
         return str(error) if isinstance(error, Fatal) else None
+    if error.code in (401, 403):  # the key: what to do about it (servers word it each their own way)
+        key = llm_server.KEY_VARIABLE
+        said = f"refused the key in {key}" if os.environ.get(key) else "wants a key"
+        return f"the LLM server at {error.url} {said} (HTTP {error.code}): set {key} to its key"
     try:  # the server's error object: OpenAI's {"error": {"message": ...}}, vLLM's {"message": ...}
         body = json.loads(error.read())
         body = body.get("error", body) if isinstance(body, dict) else body
@@ -191,12 +207,14 @@ class Labeler:
         self.model, self.prompts, self.style = model, prompts, None  # style: set once the model is known
         self.scores = {}  # completion style: scores of single messages, reused across pairs
         self.scored, self.fallback_said = None if scored else False, threading.Lock()  # None: not known yet
+        self.key = llm_server.auth_headers()  # sent on every request: a server may want it for each endpoint
 
     def call(self, url, body=None, timeout_s=None):
         """The JSON answer to a POST of `body` (a GET without one). Plain urllib: the openai package
         costs ~5x the CPU a request, and the annotator's one core bounds the labels a second."""
         data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+        headers = {"Content-Type": "application/json", **self.key}
+        request = urllib.request.Request(url, data=data, headers=headers)
         with urllib.request.urlopen(request, timeout=timeout_s or self.timeout_s) as response:
             return json.load(response)
 
@@ -387,7 +405,7 @@ def serve(*, urls, model, prompts, concurrency, run_dir, known, requests, table,
             table.put(answered)  # can use them: an annotator killed between the two loses no label a resume needs
             counts["labels"] += len(answered)
         ordered = sorted(latencies) or [0.0]
-        stats.update(dict(counts), backlog=len(backlog), in_flight=len(in_flight),
+        stats.update(dict(counts), model=labeler.model, backlog=len(backlog), in_flight=len(in_flight),
                      latency_p50=ordered[len(ordered) // 2], latency_p95=ordered[int(len(ordered) * 0.95)])
     if fatal:
         stats["fatal"] = fatal

@@ -4,7 +4,8 @@
     python llm_server.py --backend vllm --model meta-llama/Llama-3.1-8B-Instruct --tensor-parallel-size 1
 
 Waits until `/v1/models` answers, prints the base URL to pass as `--llm-url`, and stops the server
-on Ctrl-C / SIGTERM. `oni_appo.py` starts the embedded one itself when no `--llm-url` is given."""
+on Ctrl-C / SIGTERM. `oni_appo.py` starts the embedded one itself when no `--llm-url` is given.
+With OPENAI_API_KEY set, the server answers only requests that carry that key, as the annotator sends it."""
 import argparse
 import contextlib
 import ctypes
@@ -20,6 +21,9 @@ import time
 import urllib.request
 
 BACKENDS = ("llama_cpp", "vllm")  # each also the name of the module it needs
+# The servers' key comes from the environment, as OpenAI's clients take theirs: a command line is visible to
+# every user of the machine (ps), and the run dir keeps no copy. Each server gets it in the variable it reads.
+KEY_VARIABLE, SERVER_KEY_VARIABLES = "OPENAI_API_KEY", {"llama_cpp": "API_KEY", "vllm": "VLLM_API_KEY"}
 
 
 # looked up here, once: a child between fork and exec must not load libraries. None: not Linux
@@ -33,6 +37,21 @@ def die_with_parent(parent, sig=signal.SIGTERM):
         PRCTL(1, int(sig))  # PR_SET_DEATHSIG
         if os.getppid() != parent:
             os._exit(1)
+
+
+def auth_headers() -> dict:
+    """The header that carries the key of OPENAI_API_KEY, if set, on a request to an LLM server."""
+    key = os.environ.get(KEY_VARIABLE)
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def server_environment(backend) -> dict:
+    """The server's environment: this one with OPENAI_API_KEY as the key the backend reads, and no other key
+    (one the annotator does not send, e.g. an API_KEY set for something else, would lock it out)."""
+    env = {k: v for k, v in os.environ.items() if k.upper() not in SERVER_KEY_VARIABLES.values()}
+    if os.environ.get(KEY_VARIABLE):
+        env[SERVER_KEY_VARIABLES[backend]] = os.environ[KEY_VARIABLE]
+    return env
 
 
 def build_command(backend, model, host, port, threads=None, tensor_parallel_size=1, num_workers=0,
@@ -83,6 +102,7 @@ def start(backend="llama_cpp", model=None, host="127.0.0.1", port=None, threads=
     # llama.cpp (SIGTERM waited ~10 s on requests a dead annotator had in flight) and stops vLLM, which has children
     sig = signal.SIGKILL if backend == "llama_cpp" else signal.SIGTERM
     process = subprocess.Popen(command, stdout=open(log_path, "a"), stderr=subprocess.STDOUT, start_new_session=True,
+                               env=server_environment(backend),
                                preexec_fn=functools.partial(die_with_parent, os.getpid(), sig))
     url, deadline = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}/v1", time.time() + timeout_s
     while time.time() < deadline:  # until it answers, exits or takes too long
@@ -90,7 +110,8 @@ def start(backend="llama_cpp", model=None, host="127.0.0.1", port=None, threads=
             tail = " | ".join(open(log_path, errors="replace").read().strip().splitlines()[-3:])
             raise SystemExit(f"error: the LLM server exited with code {process.returncode}: {tail}")
         try:
-            with urllib.request.urlopen(f"{url}/models", timeout=2) as response:
+            with urllib.request.urlopen(urllib.request.Request(f"{url}/models", headers=auth_headers()),
+                                        timeout=2) as response:
                 if response.status == 200:
                     return process, url
         except OSError:
@@ -118,6 +139,9 @@ def main(argv=None):
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="vllm: share of GPU memory to take")
     parser.add_argument("--log", default=None, help="write the server's output to this file")
     args = parser.parse_args(argv)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not os.environ.get(KEY_VARIABLE):
+        print(f"warning: serving on {args.host} with no key: whoever reaches port {args.port} can use it; "
+              f"set {KEY_VARIABLE}", file=sys.stderr, flush=True)
     process, url = start(args.backend, args.model, args.host, args.port, args.threads, args.tensor_parallel_size,
                          args.log, gpu_memory_utilization=args.gpu_memory_utilization)
     print(f"LLM server ready: --llm-url {url}", flush=True)

@@ -15,6 +15,7 @@ import math
 import multiprocessing.connection
 import os
 import signal
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -409,6 +410,30 @@ def parse_args(argv=None) -> Args:
     return args
 
 
+def git_state(root=os.path.dirname(os.path.abspath(__file__))):
+    """(commit, whether tracked files have uncommitted changes) of the code in `root`; "unknown" where there
+    is no git or no repository. Untracked files do not count: results/ holds runs being written."""
+    try:
+        def git(*argv):
+            return subprocess.run(["git", *argv], cwd=root, capture_output=True, text=True, timeout=60,
+                                   check=True).stdout.strip()
+        return git("rev-parse", "HEAD"), bool(git("status", "--porcelain", "--untracked-files=no"))
+    except (OSError, subprocess.SubprocessError):
+        return "unknown", "unknown"
+
+
+def run_record(args) -> dict:
+    """What made this session of the run: the code, the resolved flags and, where the reward asks an LLM, the
+    demonstration pool and the servers asked (finish() adds the model they answered as, the embedded URL)."""
+    commit, dirty = git_state()
+    record = {"started": time.strftime("%Y-%m-%d %H:%M:%S %z"), "commit": commit,
+              "uncommitted_changes": dirty, "flags": dataclasses.asdict(args)}
+    if args.reward_type in reward_models.NEEDS_LLM:
+        record.update(demonstrations=annotator.demos_record(),
+                      llm={"urls": args.llm_url or "embedded", "model": args.llm_model or "the first listed"})
+    return record
+
+
 def rewrite(path, lines):  # atomically: a crash now must not lose the file
     with open(path + ".tmp", "w") as f:
         f.writelines(lines)
@@ -460,6 +485,7 @@ class Run:
     writer: object  # tensorboard's SummaryWriter; wandb syncs from it with --track
     counters: dict  # env_steps (collected: the acting process's count), updates (= the policy version), episodes
     saved_totals: dict  # the run's totals up to the checkpoint it resumed from (run_totals adds this session's)
+    sessions: list  # run_record() of each session, this one last
     updates: collections.deque = field(default_factory=collections.deque)  # figures of each update, for the log
     losses: dict = field(default_factory=dict)
     sums: collections.Counter = field(default_factory=collections.Counter)  # this session's learner sums, see learn()
@@ -506,6 +532,8 @@ def train(args):
 
 def set_up(args) -> Run:
     os.makedirs(args.run_dir, exist_ok=True)
+    sessions = [run_record(args)]
+    print(f"run record: {json.dumps(sessions[0])}", flush=True)  # first: a console.log opens with it
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
     device = pick_device(args.device)
@@ -517,7 +545,7 @@ def set_up(args) -> Run:
         _, checkpoint, _ = load_checkpoint(args.resume, agent)
         optimizer.load_state_dict(checkpoint["optimizer"])
         counters.update(checkpoint["counters"])
-        saved_totals = checkpoint.get("totals", {})
+        saved_totals, sessions = checkpoint.get("totals", {}), checkpoint.get("sessions", []) + sessions
         episodes = os.path.join(args.run_dir, "episodes.jsonl")
         if os.path.exists(episodes):  # the steps after the checkpoint are played again: so are their episodes
             with open(episodes) as f:
@@ -544,7 +572,7 @@ def set_up(args) -> Run:
     if client is not None:  # the annotator subprocess and, without --llm-url, the embedded server
         client.start(args.run_dir, known=intrinsic.known_keys())
     intrinsic.start(args.reward_model_share)
-    return Run(args, device, agent, optimizer, intrinsic, client, writer, counters, saved_totals)
+    return Run(args, device, agent, optimizer, intrinsic, client, writer, counters, saved_totals, sessions)
 
 
 def start_acting(run):
@@ -807,7 +835,8 @@ def save(run):
     totals = run_totals(run, run.client.stats() if run.client is not None else {})
     state = dict(model=run.agent.state_dict(), optimizer=run.optimizer.state_dict(),  # a resume collects again
                  counters=dict(run.counters, env_steps=learned_steps(run)),  # what was not learned
-                 args=dataclasses.asdict(run.args), intrinsic=run.intrinsic.state_dict(), totals=totals)
+                 args=dataclasses.asdict(run.args), intrinsic=run.intrinsic.state_dict(), totals=totals,
+                 sessions=run.sessions)
     path = os.path.join(run.args.run_dir, "checkpoint.pt")
     torch.save(state, path + ".tmp")
     os.replace(path + ".tmp", path)  # never leave a half-written checkpoint
@@ -850,10 +879,12 @@ def finish(run):
     """The last log, checkpoint, messages.tsv and summary.json; a stop for a failure is a one-line error."""
     args = run.args
     log_progress(run, join_episodes(run.pending, run.finished, final=True), time.time())
+    llm = run.client.stats() if run.client is not None else {}
+    if llm.get("model"):  # the model the server answered as, and where the embedded one was
+        run.sessions[-1]["llm"].update(urls=run.client.urls, model=llm["model"])
     totals = save(run)  # the client is closed: these are the run's totals, and the next resume goes on from them, so
     run.intrinsic.write_messages(os.path.join(args.run_dir, "messages.tsv"))  # the session's time ends at the save
     elapsed = totals["wall_time_s"] - run.saved_totals.get("wall_time_s", 0.0)  # (sessions summed = the run's time)
-    llm = run.client.stats() if run.client is not None else {}
     # figures of the whole run (over resumes): steps learned a second; "session_": this session's, steps collected
     summary = {**run.counters, "env_steps": learned_steps(run), "sps": totals["learned_steps"] / totals["wall_time_s"],
                "wall_time_s": totals["wall_time_s"],
@@ -869,7 +900,8 @@ def finish(run):
         summary[f"mean_{k}"] = float(np.mean([e[k] for e in episodes if k in e]))
     summary.update({"llm_labels": totals["llm_labels"], "llm_failures": totals["llm_failures"],
                     "llm_parse_failures": totals["llm_parse_failures"], "annotator_restarts": totals["llm_restarts"],
-                    "llm_answers_restricted": llm.get("answers_restricted"), "llm_answers_scored": llm.get("answers_scored")})
+                    "llm_answers_restricted": llm.get("answers_restricted"),
+                    "llm_answers_scored": llm.get("answers_scored"), "sessions": run.sessions})
     with open(os.path.join(args.run_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     run.writer.close()

@@ -20,7 +20,8 @@ Everything after `--` goes verbatim to oni_appo.py. OUT/wall_times.json holds ea
 Plotting takes config dirs (holding seed*/episodes.jsonl) or run dirs (holding episodes.jsonl).
 OUT/curves.png: score, kills, depth, explored and intrinsic return against env steps; per seed the
 episodes' means in 25 equal bins of env steps, per config the mean over seeds (line) and their
-min-max (shaded). OUT/curves.md: per config the last-100-episode means (mean ± std over seeds).
+min-max (shaded). OUT/curves.md: per config the last-100-episode means (mean ± std over seeds) and the commits
+that made each seed (its summary.json's sessions; "+": with uncommitted changes).
 --eval-after N evaluates each run as soon as it is complete (and a complete one not yet evaluated), while its
 checkpoint, which is not committed, is still there. --eval --record also writes the replay of each run's first
 evaluated episode (evaluate.py --record) to RUN/replay and RUN/replay_random: episode0.html and NLE's
@@ -137,20 +138,34 @@ def load_episodes(path):
     return sorted(episodes, key=lambda e: e["env_steps"])  # written as the learner's totals come, nearly in order
 
 
-def load_runs(dirs):
-    """{config name: [episodes of each seed]} from config dirs (seed*/episodes.jsonl) or run dirs."""
+def run_dirs(dirs):
+    """{config name: its seeds' run dirs} of config dirs (seed*/episodes.jsonl) or run dirs."""
     runs = {}
     for d in dirs:
         d = os.path.normpath(d)
         if os.path.exists(os.path.join(d, "episodes.jsonl")):
-            files = [os.path.join(d, "episodes.jsonl")]
+            seeds = [d]
         else:
-            files = sorted(glob.glob(os.path.join(d, "seed*", "episodes.jsonl")))
-        if not files:
+            seeds = sorted(os.path.dirname(f) for f in glob.glob(os.path.join(d, "seed*", "episodes.jsonl")))
+        if not seeds:
             raise SystemExit(f"error: no episodes.jsonl in {d} nor in {d}/seed*/")
-        name = os.path.basename(d) if os.path.basename(d) not in runs else d
-        runs[name] = [load_episodes(f) for f in files]
+        runs[os.path.basename(d) if os.path.basename(d) not in runs else d] = seeds
     return runs
+
+
+def load_runs(dirs):
+    """{config name: [episodes of each seed]} from config dirs (seed*/episodes.jsonl) or run dirs."""
+    return {name: [load_episodes(os.path.join(d, "episodes.jsonl")) for d in seeds]
+            for name, seeds in run_dirs(dirs).items()}
+
+
+def commits(run_dir):
+    """The commits of a run's sessions as its summary.json records them, in order, each once (short; "+" where
+    the code had uncommitted changes); "not recorded" for a run before the record or with no summary yet."""
+    path = os.path.join(run_dir, "summary.json")
+    sessions = json.load(open(path)).get("sessions", []) if os.path.exists(path) else []
+    named = [s["commit"][:7] + "+" * (s["uncommitted_changes"] is True) for s in sessions]
+    return " ".join(dict.fromkeys(named)) or "not recorded"
 
 
 def across_seeds(values):
@@ -164,18 +179,20 @@ def best_window(values):
     return np.convolve(values, np.ones(n) / n, "valid").max()
 
 
-def table(runs):
-    """Markdown table: per config, means over each seed's last 100 episodes, then across seeds."""
+def table(runs, made):
+    """Markdown table: per config, means over each seed's last 100 episodes, then across seeds; the commits
+    that made each seed (made: {config: [commits() of each seed]}), separated by "/"."""
     columns = METRICS + ["steps"]
     lines = ["| config | seeds | env steps | " + " | ".join(f"{c} (last {WINDOW})" for c in columns)
-             + f" | score (first {WINDOW}) | score (best {WINDOW}) |",
-             "|---" * (len(columns) + 5) + "|"]
+             + f" | score (first {WINDOW}) | score (best {WINDOW}) | commit |",
+             "|---" * (len(columns) + 6) + "|"]
     for name, seeds in runs.items():
         env_steps = min(s[-1]["env_steps"] for s in seeds)
         cells = [across_seeds([np.mean([e[c] for e in s[-WINDOW:]]) for s in seeds]) for c in columns]
         first = across_seeds([np.mean([e["score"] for e in s[:WINDOW]]) for s in seeds])
         best = across_seeds([best_window([e["score"] for e in s]) for s in seeds])
-        lines.append(f"| {name} | {len(seeds)} | {env_steps:,} | " + " | ".join(cells) + f" | {first} | {best} |")
+        lines.append(f"| {name} | {len(seeds)} | {env_steps:,} | " + " | ".join(cells)
+                     + f" | {first} | {best} | {' / '.join(made[name])} |")
     return "\n".join(lines) + "\n"
 
 
@@ -223,10 +240,11 @@ def report(dirs, out, figure):
     """Writes the figure and OUT/curves.md, prints the table."""
     os.makedirs(out, exist_ok=True)
     runs, figure, markdown = load_runs(dirs), figure or os.path.join(out, "curves.png"), os.path.join(out, "curves.md")
+    made = {name: [commits(d) for d in seeds] for name, seeds in run_dirs(dirs).items()}
     plot(runs, figure)
     with open(markdown, "w") as f:
-        f.write(table(runs))
-    print(table(runs) + f"figure: {figure}; table: {markdown}")
+        f.write(table(runs, made))
+    print(table(runs, made) + f"figure: {figure}; table: {markdown}")
 
 
 def random_games(run_dir):

@@ -7,7 +7,9 @@ Like vLLM, it serves /tokenize, answers 404 for a model it does not have, and li
 (400) logit biases outside [-100, 100]. Asked for log-probabilities (`logprobs`) it answers logp(" Yes") -
 logp(" No") = `margins[caption]` (default +2 helpful, -2 not), unless `logprobs` is "error" (HTTP 500, as
 llama.cpp without --logits_all) or "absent" (no log-probabilities in the answer). It records every call in `calls`; `delay` is a fixed latency
-of every (chat) completion, and `max_active` the most of them it answered at once."""
+of every (chat) completion, and `max_active` the most of them it answered at once. With a `key`, as llama.cpp
+and vLLM with theirs, it answers `key_status` (401) to any request without "Authorization: Bearer KEY";
+`authorizations` holds every request's Authorization header (None: none)."""
 import json
 import re
 import threading
@@ -34,6 +36,7 @@ class FakeOpenAI:
         self.logprobs, self.margins = "ok", {}
         self.requests, self.calls = 0, []  # requests: (chat) completions asked for
         self.active = self.max_active = 0  # (chat) completions being answered now; the most at once
+        self.key, self.key_status, self.authorizations = None, 401, []
         self.lock = threading.Lock()
 
     @property
@@ -55,12 +58,24 @@ class FakeOpenAI:
                 self.end_headers()
                 self.wfile.write(data)
 
+            def refused(self):
+                with fake.lock:
+                    fake.authorizations.append(self.headers.get("Authorization"))
+                if fake.key is not None and self.headers.get("Authorization") != f"Bearer {fake.key}":
+                    self.reply(fake.key_status, {"detail": "Invalid API key"})  # llama.cpp's answer
+                    return True
+                return False
+
             def do_GET(self):
+                if self.refused():
+                    return
                 self.reply(200, {"object": "list", "data": [{"id": fake.model, "object": "model",
                                                              "owned_by": "test"}]})
 
             def do_POST(self):
                 request = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if self.refused():
+                    return
                 with fake.lock:
                     fake.calls.append((self.path, request))
                     if self.path == "/tokenize":

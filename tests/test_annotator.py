@@ -4,11 +4,14 @@ import json
 import multiprocessing.managers
 import os
 import queue
+import re
 import signal
 import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from types import SimpleNamespace
 
 import pytest
@@ -150,7 +153,7 @@ def test_http_5xx_408_and_429_are_retried(fake, tmp_path, status):
     assert a.stats["failures"] == 3 and a.stats["requests"] == len(CAPTIONS) + 3
 
 
-@pytest.mark.parametrize("status", [400, 401, 404, 422])
+@pytest.mark.parametrize("status", [400, 404, 422])  # 401 and 403: the key's own test
 def test_other_4xx_are_fatal(fake, tmp_path, status):
     fake.fail_next, fake.fail_status = 1000, status
     a = Annotator(fake.url, tmp_path)
@@ -160,6 +163,60 @@ def test_other_4xx_are_fatal(fake, tmp_path, status):
     assert a.stats["fatal"] == f"HTTP {status} from {fake.url}/{'chat/' * ('instruct' in fake.model)}completions: " \
                                "injected failure"
     assert fake.requests <= a.concurrency and a.labels == {}
+
+
+def test_the_key_goes_with_every_request(fake, tmp_path, monkeypatch):
+    fake.key = "sk-test-key"
+    monkeypatch.setenv("OPENAI_API_KEY", fake.key)
+    a = Annotator(fake.url, tmp_path)
+    a.send(CAPTIONS)
+    assert a.wait_for(lambda: len(a.labels) == len(CAPTIONS))
+    a.close()
+    assert a.labels == expected_labels() and "fatal" not in a.stats
+    assert set(fake.authorizations) == {"Bearer sk-test-key"} and len(fake.authorizations) > len(CAPTIONS)
+
+
+@pytest.mark.parametrize("status", [401, 403])
+@pytest.mark.parametrize("key", [None, "sk-wrong"])
+def test_a_missing_or_wrong_key_is_one_fatal_line_not_retries(fake, tmp_path, monkeypatch, key, status):
+    fake.key, fake.key_status = "sk-test-key", status
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    if key:
+        monkeypatch.setenv("OPENAI_API_KEY", key)
+    a = Annotator(fake.url, tmp_path)
+    a.send(CAPTIONS)
+    a.thread.join(timeout=30)
+    assert not a.thread.is_alive() and a.labels == {}
+    said = "refused the key in OPENAI_API_KEY" if key else "wants a key"
+    assert a.stats["fatal"] == f"the LLM server at {fake.url}/models {said} (HTTP {status}): " \
+                               "set OPENAI_API_KEY to its key"
+    assert fake.authorizations == [key and f"Bearer {key}"]  # asked once: the model's name, then it stopped
+
+
+@pytest.mark.parametrize("key", [None, "sk-wrong"])
+def test_a_missing_or_wrong_key_stops_the_run(tmp_path, monkeypatch, key):
+    """Through the annotator's process, as the learner sees it: check() ends the run with the one line."""
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    if key:
+        monkeypatch.setenv("OPENAI_API_KEY", key)
+    fake = FakeOpenAI().start()
+    fake.key = "sk-test-key"
+    client = annotator.LabelClient(client_args(fake.url))
+    client.start(str(tmp_path), set())
+    try:
+        client.request(CAPTIONS, [])
+        said = "refused the key in OPENAI_API_KEY" if key else "wants a key"
+        line = (f"error: annotator: the LLM server at {fake.url}/models {said} (HTTP 401): "
+                "set OPENAI_API_KEY to its key")
+        with pytest.raises(SystemExit, match=f"^{re.escape(line)}$"):
+            deadline = time.time() + 60
+            while time.time() < deadline:
+                client.check()
+                time.sleep(0.05)
+    finally:
+        client.close()
+        fake.stop()
+    assert client.stats()["restarts"] == 0
 
 
 def test_a_model_the_server_does_not_have_is_fatal(fake, tmp_path):
@@ -627,6 +684,47 @@ def test_llm_server_threads_and_gpu_memory(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         llm_server.main(["--backend", "vllm", "--model", "m", "--gpu-memory-utilization", "0.25"])
     assert started[0]["gpu_memory_utilization"] == 0.25
+
+
+def test_a_server_gets_the_key_in_its_environment_and_an_open_one_is_named(monkeypatch, capsys):
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test-key")
+    monkeypatch.setenv("api_key", "an unrelated key")  # would lock the annotator out of llama.cpp's server
+    def keys(env):
+        return {k: v for k, v in env.items() if k.upper() in ("API_KEY", "VLLM_API_KEY")}
+    for backend, variable in (("llama_cpp", "API_KEY"), ("vllm", "VLLM_API_KEY")):
+        assert keys(llm_server.server_environment(backend)) == {variable: "sk-test-key"}
+    monkeypatch.delenv("OPENAI_API_KEY")
+    assert keys(llm_server.server_environment("llama_cpp")) == {}
+
+    def start(*args, **kw):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(llm_server, "start", start)
+    for host, key, warned in (("0.0.0.0", None, True), ("0.0.0.0", "k", False), ("127.0.0.1", None, False)):
+        monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+        if key:
+            monkeypatch.setenv("OPENAI_API_KEY", key)
+        with pytest.raises(KeyboardInterrupt):
+            llm_server.main(["--host", host, "--port", "8001"])
+        said = "warning: serving on 0.0.0.0 with no key: whoever reaches port 8001 can use it; set " \
+               "OPENAI_API_KEY\n"
+        assert capsys.readouterr().err == (said if warned else ""), (host, key)
+
+
+def test_the_embedded_server_wants_the_key_and_ps_does_not_show_it(tmp_path, monkeypatch):
+    """The real llama.cpp server: it reads the key from its environment (pydantic settings), not a flag."""
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test-key")
+    process, url = llm_server.start(log_path=str(tmp_path / "llm_server.log"), threads=1, scored=False)
+    try:
+        assert b"sk-test-key" not in open(f"/proc/{process.pid}/cmdline", "rb").read()
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(f"{url}/models", timeout=30)
+        assert refused.value.code == 401
+        labeler = annotator.Labeler([url], None, annotator.PROMPTS, 30.0, scored=False)
+        assert labeler.resolve_model() and labeler.restricted  # /models and /extras/tokenize took the key
+        assert labeler.ask("You kill the newt!") in (0, 1)
+    finally:
+        llm_server.stop(process)
+    assert "sk-test-key" not in open(tmp_path / "llm_server.log").read()
 
 
 def test_a_labels_file_cut_short_by_a_crash_still_resumes(tmp_path):

@@ -1,6 +1,7 @@
 """The learner: V-trace against the paper's formula, GRU resets, learning, and whole runs on NLE."""
 import collections
 import contextlib
+import hashlib
 import json
 import os
 import signal
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+import annotator
 import oni_appo
 from oni_appo import End
 
@@ -616,19 +618,45 @@ def test_resume_takes_the_llm_flags_and_names_the_flags_it_ignores(tmp_path, cap
 
 def test_a_run_split_by_two_resumes_reports_the_totals_of_its_pieces(tmp_path):
     """summary.json after a resume described the last session alone: llm_labels 130 while labels.jsonl held 492;
-    wall time, LLM failures, policy lag and the largest reward of one session only."""
+    wall time, LLM failures, policy lag and the largest reward of one session only. The run's LLM server wants
+    a key; each session records what made it."""
     from fake_openai import FakeOpenAI
     fake, run_dir, summaries, failed = FakeOpenAI().start(), str(tmp_path / "run"), [], 0
+    records, outputs, fake.key = [], "", "sk-test-a1b2c3d4e5f6"  # the key: from the environment
     try:
         for steps in (4000, 8000, 12000):
             fake.fail_next = 2  # up to two failed requests in each session
             start = SMALL_RUN[:-1] + ["retrieval", "--llm-url", fake.url, "--run-dir", run_dir] if not summaries else ["--resume", run_dir]
-            result = run(start + ["--total-env-steps", str(steps)])
+            keyed = {**os.environ, "OPENAI_API_KEY": fake.key}
+            result = run(start + ["--total-env-steps", str(steps)], env=keyed)
             assert result.returncode == 0, result.stderr[-2000:]
             summaries.append(json.load(open(os.path.join(run_dir, "summary.json"))))
             failed += 2 - fake.fail_next
+            first = result.stdout.splitlines()[0]  # a console.log opens with what made the session
+            assert first.startswith("run record: {"), result.stdout[:500]
+            records.append(json.loads(first.removeprefix("run record: ")))
+            outputs += result.stdout + result.stderr
     finally:
         fake.stop()
+    assert set(fake.authorizations) == {f"Bearer {fake.key}"} and len(fake.authorizations) > fake.requests > 0
+    for path in (tmp_path / "run").rglob("*"):  # the key is in no file of the run dir, nor in its output
+        assert not path.is_file() or fake.key.encode() not in path.read_bytes(), path
+    assert fake.key not in outputs
+    def git(*argv):
+        return subprocess.run(["git", *argv], cwd=ROOT, capture_output=True, text=True)
+    head, changes = git("rev-parse", "HEAD"), git("status", "--porcelain", "--untracked-files=no")
+    code = (head.stdout.strip(), bool(changes.stdout)) if head.returncode == 0 else ("unknown", "unknown")
+    pool = hashlib.sha256(open(annotator.DEMOS_FILE, "rb").read()).hexdigest()
+    for n, (record, steps) in enumerate(zip(records, (4000, 8000, 12000))):
+        assert (record["commit"], record["uncommitted_changes"]) == code
+        assert record["flags"]["total_env_steps"] == steps and record["flags"]["reward_type"] == "retrieval"
+        assert record["flags"]["resume"] == (os.path.join(run_dir, "checkpoint.pt") if n else None)
+        assert record["demonstrations"] == {"file": annotator.DEMOS_FILE, "sha256": pool}
+        assert record["llm"] == {"urls": [fake.url], "model": "the first listed"}
+        # summary.json: each session's record, earlier ones kept, with the model the server answered as
+        assert len(summaries[n]["sessions"]) == n + 1
+        assert summaries[n]["sessions"][:n] == (summaries[n - 1]["sessions"] if n else [])
+        assert summaries[n]["sessions"][n] == {**record, "llm": {"urls": [fake.url], "model": "fake-base"}}
     last = summaries[-1]
     # exactly: a session's time ends at its last save, from which the next goes on (it ended after messages.tsv and
     # the LLM's stats, which the saved total missed: 1.25 s short over two resumes on a loaded box)
@@ -645,6 +673,27 @@ def test_a_run_split_by_two_resumes_reports_the_totals_of_its_pieces(tmp_path):
     # the lag is a mean over every rollout step learned in all sessions (a version tag covers a slot's 2 envs)
     assert totals["lag_steps"] == last["updates"] * 256 // 2
     assert last["policy_lag_mean"] == pytest.approx(totals["lag_sum"] / totals["lag_steps"])
+
+
+def test_git_state_names_the_commit_and_uncommitted_changes_and_never_fails(tmp_path, monkeypatch):
+    repo, plain = tmp_path / "repo", tmp_path / "plain"
+    repo.mkdir(), plain.mkdir()
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path))  # plain/ is in no repository, whatever /tmp
+
+    def git(*argv):
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *argv], cwd=repo,
+                              check=True, capture_output=True, text=True).stdout.strip()
+    git("init", "-q")
+    (repo / "a.py").write_text("x = 1\n")
+    git("add", "a.py")
+    git("commit", "-q", "-m", "a")
+    (repo / "results.txt").write_text("a run's output\n")  # untracked: not a change to the code
+    assert oni_appo.git_state(repo) == (git("rev-parse", "HEAD"), False)
+    (repo / "a.py").write_text("x = 2\n")
+    assert oni_appo.git_state(repo) == (git("rev-parse", "HEAD"), True)
+    assert oni_appo.git_state(plain) == ("unknown", "unknown")
+    monkeypatch.setenv("PATH", "")  # no git at all
+    assert oni_appo.git_state(repo) == ("unknown", "unknown")
 
 
 def test_a_reward_model_trainer_crash_saves_the_run_and_it_resumes(tmp_path, monkeypatch, capsys):

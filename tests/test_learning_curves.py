@@ -17,7 +17,7 @@ def write_episodes(path, episodes):
 
 def synthetic(tmp_path):
     """cfg: 2 seeds, score = episode index (+10 on seed 2), new keys; run: a bare run dir of an old
-    file (no env_steps, no intrinsic_return), 7 steps per episode, score = 2 x index."""
+    file (no env_steps, no intrinsic_return), 7 steps per episode, score = 2 x index, no summary."""
     for seed, offset in ((1, 0), (2, 10)):
         write_episodes(tmp_path / "cfg" / f"seed{seed}" / "episodes.jsonl", [
             {"return": 1.0, "steps": 10, "score": i + offset, "kills": 1, "depth": 1, "explored": 50,
@@ -25,6 +25,12 @@ def synthetic(tmp_path):
             for i in range(300)])
     write_episodes(tmp_path / "run" / "episodes.jsonl", [
         {"return": 1.0, "steps": 7, "score": 2 * i, "kills": 0, "depth": 2, "explored": 30} for i in range(300)])
+    # seed 1 resumed once at another commit, with uncommitted changes; seed 2 and run from before the record
+    sessions = [{"commit": c * 40, "uncommitted_changes": dirty} for c, dirty in (("a", False), ("a", False),
+                                                                                  ("b", True))]
+    cfg = tmp_path / "cfg"
+    (cfg / "seed1" / "summary.json").write_text(json.dumps({"env_steps": 1, "sessions": sessions}))
+    (cfg / "seed2" / "summary.json").write_text(json.dumps({"env_steps": 2}))
     return [str(tmp_path / "cfg"), str(tmp_path / "run")]
 
 
@@ -53,6 +59,7 @@ def test_table_and_figure(tmp_path, capsys):
     assert run["seeds"] == "1" and run["env steps"] == "2,100"  # 300 episodes x 7 steps, summed
     assert run["score (last 100)"] == "499.00" and run["score (first 100)"] == "99.00"
     assert run["depth (last 100)"] == "2.00" and run["intrinsic_return (last 100)"] == "0.00"
+    assert cfg["commit"] == "aaaaaaa bbbbbbb+ / not recorded" and run["commit"] == "not recorded"
 
     png = (out / "curves.png").read_bytes()
     assert len(png) > 1000 and png[:8] == b"\x89PNG\r\n\x1a\n"

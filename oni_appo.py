@@ -429,7 +429,7 @@ def run_record(args) -> dict:
     record = {"started": time.strftime("%Y-%m-%d %H:%M:%S %z"), "commit": commit,
               "uncommitted_changes": dirty, "flags": dataclasses.asdict(args)}
     if args.reward_type in reward_models.NEEDS_LLM:
-        record.update(demonstrations=annotator.demos_record(),
+        record.update(demonstrations=annotator.demos_record(args.demos),
                       llm={"urls": args.llm_url or "embedded", "model": args.llm_model or "the first listed"})
     return record
 

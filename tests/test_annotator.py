@@ -695,6 +695,9 @@ def test_a_server_gets_the_key_in_its_environment_and_an_open_one_is_named(monke
         assert keys(llm_server.server_environment(backend)) == {variable: "sk-test-key"}
     monkeypatch.delenv("OPENAI_API_KEY")
     assert keys(llm_server.server_environment("llama_cpp")) == {}
+    monkeypatch.setenv("PORT", "5000")  # llama.cpp's server would listen there, not on the port it is given
+    monkeypatch.setenv("HOST", "0.0.0.0")
+    assert not {"PORT", "HOST"} & set(llm_server.server_environment("llama_cpp"))
 
     def start(*args, **kw):
         raise KeyboardInterrupt

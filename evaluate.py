@@ -46,6 +46,8 @@ class Args:
     """write each episode's replay here: NLE's ttyrec and an HTML page"""
     record_episodes: int | None = None
     """with --record: only the first this many episodes (default: all)"""
+    trust_checkpoint: bool = False
+    """load a checkpoint that needs pickle, which can run code (an older one you trust): rewrites it safe"""
 
 
 TEMPLATE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "replay.html")
@@ -119,7 +121,7 @@ def evaluate(args: Args) -> dict:
         fail("--episodes and --record-episodes must be at least 1")
     device = pick_device(args.device)
     agent = Agent().to(device).eval()
-    path, checkpoint, saved = load_checkpoint(args.checkpoint, agent)
+    path, checkpoint, saved = load_checkpoint(args.checkpoint, agent, args.trust_checkpoint)
     # the actions' own stream, on the CPU: the same actions each time, with or without --record (whose reward
     # model draws from torch's global one), and the same random ones with --random
     sampler = torch.Generator().manual_seed(saved.seed)

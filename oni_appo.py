@@ -14,10 +14,12 @@ import json
 import math
 import multiprocessing.connection
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch: idle OpenMP threads must not spin (README)
@@ -98,6 +100,8 @@ class Args:
     """where checkpoints, tensorboard events, labels.jsonl and summary.json go (default: runs/NAME)"""
     resume: str | None = None
     """continue a run from its directory or a checkpoint file, at its exact counters"""
+    trust_checkpoint: bool = False
+    """--resume (or evaluate.py) from a checkpoint that needs pickle, which can run code: rewrites it safe"""
     checkpoint_every_s: float = 600.0
     """seconds between periodic checkpoints"""
     device: str = "auto"
@@ -110,7 +114,8 @@ class Args:
 
 # Flags that a resumed run takes from its command line; all others come from the checkpoint.
 RESUME_OVERRIDES = ("total_env_steps", "num_workers", "device", "track", "llm_url", "llm_model", "llm_concurrency",
-                    "llm_threads", "prompt_file", "checkpoint_every_s", "reward_model_share")
+                    "llm_threads", "prompt_file", "checkpoint_every_s", "reward_model_share",
+                    "trust_checkpoint")
 LLM_COUNTS = ("requests", "labels", "failures", "parse_failures", "dropped", "restarts")  # summed over resumes
 CROP = 12  # the paper's crop of the map around the agent
 TORCH_THREADS = torch.get_num_threads()  # the learner's, read before any thread changes the default
@@ -347,16 +352,73 @@ def join_episodes(pending, finished, final=False):
     return sorted(out, key=lambda e: e["env_steps"])
 
 
-def load_checkpoint(path, agent=None):
-    """(file, checkpoint, its Args) of a checkpoint file or run dir, the policy into agent; else a one-line error."""
+SAFE = {str, int, float, bool, type(None), torch.Tensor}  # and dicts, lists, tuples: what weights_only reads
+KEYS = ("model", "args", "counters")  # dicts in every checkpoint of oni_appo.py
+
+
+def plain(value):
+    """value in the types torch.load(weights_only=True) reads, so that a checkpoint cannot run code: numpy
+    arrays as tensors, numpy numbers as Python's, other mappings (a Counter) as dicts; TypeError on anything
+    else. Their readers take them back as they took the originals (np.asarray a tensor, Counter a dict)."""
+    if type(value) in SAFE or isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(value)
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, dict):  # kept whole when plain already: a module's state_dict keeps its _metadata
+        if type(value) in (dict, collections.OrderedDict) and {*map(type, (*value, *value.values()))} <= SAFE:
+            return value
+        return {plain(k): plain(v) for k, v in value.items()}
+    if isinstance(value, tuple | list):
+        if type(value) in (tuple, list) and {*map(type, value)} <= SAFE:  # fast for a million texts
+            return value
+        return tuple(map(plain, value)) if isinstance(value, tuple) else list(map(plain, value))
+    raise TypeError(f"a checkpoint cannot hold a {type(value).__name__}")
+
+
+def write_checkpoint(state, path):
+    torch.save(plain(state), path + ".tmp")
+    os.replace(path + ".tmp", path)  # never leave a half-written checkpoint
+
+
+def read_checkpoint(path, trust=False):
+    """A checkpoint file's contents, read with weights_only=True: a shared one cannot run code. One that
+    needs pickle (written before checkpoints held plain values only, or crafted) is refused, unless trust:
+    then it is read with pickle once and rewritten in the safe format. Else a one-line error."""
+    try:
+        with warnings.catch_warnings(action="ignore"):  # torch's on a foreign pickle: the error says enough
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:
+        if (unsafe := re.search(r"Unsupported global: GLOBAL (\S+)", str(error))) is None:
+            fail(f"cannot read checkpoint {path} (cut short, or not a checkpoint): {load_error(error)}")
+        if not trust:
+            fail(f"{path} needs pickle to load ({unsafe[1]}), which can run any code it holds; "
+                 "if you trust it (an older checkpoint of this project), load it once with "
+                 "--trust-checkpoint, which rewrites it in the safe format")
+    try:
+        checkpoint = plain(torch.load(path, map_location="cpu", weights_only=False))  # the flag trusts it
+    except Exception as error:
+        fail(f"cannot read checkpoint {path} with pickle: {load_error(error)}")
+    write_checkpoint(checkpoint, path)
+    print(f"--trust-checkpoint: read {path} with pickle and rewrote it in the safe format", file=sys.stderr)
+    return checkpoint
+
+
+def load_error(error) -> str:
+    """torch's reason in one line: the first sentence of its first (what follows advises pickle, or repeats)."""
+    line = (str(error).splitlines() or [""])[0]
+    return ": ".join(filter(None, (type(error).__name__, re.split(r"(?<=\w)\. ", line)[0])))
+
+
+def load_checkpoint(path, agent=None, trust=False):
+    """(file, checkpoint, its Args) of a checkpoint file or run dir, the policy into agent; else a one-line
+    error. trust: one that needs pickle is read with it and rewritten safe (see read_checkpoint)."""
     path = os.path.join(path, "checkpoint.pt") if os.path.isdir(path) else path
     if not os.path.isfile(path):
         fail(f"no checkpoint at {path}")
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as error:
-        fail(f"cannot read checkpoint {path}: {type(error).__name__}: {str(error).splitlines()[0]}")
-    if not isinstance(checkpoint, dict) or not {"model", "args", "counters"} <= set(checkpoint):
+    checkpoint = read_checkpoint(path, trust)
+    if not isinstance(checkpoint, dict) or not all(isinstance(checkpoint.get(k), dict) for k in KEYS):
         fail(f"{path} is not a checkpoint of oni_appo.py")
     known = {f.name for f in dataclasses.fields(Args)}  # a flag removed since (--eval went to evaluate.py) is dropped
     saved = Args(**{k: v for k, v in checkpoint["args"].items() if k in known})
@@ -380,7 +442,7 @@ def parse_args(argv=None) -> Args:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = tyro.cli(Args, args=argv)
     if args.resume is not None:
-        path, _, saved = load_checkpoint(args.resume)
+        path, _, saved = load_checkpoint(args.resume, trust=args.trust_checkpoint)
         for name in sorted(given_flags(argv) - {"resume", "run_dir"}):
             if name in RESUME_OVERRIDES:
                 setattr(saved, name, getattr(args, name))
@@ -837,9 +899,7 @@ def save(run):
                  counters=dict(run.counters, env_steps=learned_steps(run)),  # what was not learned
                  args=dataclasses.asdict(run.args), intrinsic=run.intrinsic.state_dict(), totals=totals,
                  sessions=run.sessions)
-    path = os.path.join(run.args.run_dir, "checkpoint.pt")
-    torch.save(state, path + ".tmp")
-    os.replace(path + ".tmp", path)  # never leave a half-written checkpoint
+    write_checkpoint(state, os.path.join(run.args.run_dir, "checkpoint.pt"))
     return totals
 
 

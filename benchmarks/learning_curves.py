@@ -40,6 +40,7 @@ import warnings
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # for oni_appo (random_games reads a checkpoint with its read_checkpoint)
 SCORE = "NetHackScoreExtendedActions-v1"
 # name: (task, reward type, extrinsic coef (None: oni_appo's default), default env steps)
 CONFIGS = {
@@ -254,9 +255,9 @@ def random_games(run_dir):
     path = os.path.join(run_dir, "checkpoint.pt")
     if not os.path.exists(path):
         return None
-    import torch  # only here: plotting and training need no torch in this process
+    from oni_appo import read_checkpoint  # only here: plotting and training need no torch in this process
 
-    args = torch.load(path, map_location="cpu", weights_only=False)["args"]
+    args = read_checkpoint(path)["args"]  # a checkpoint that needs pickle is refused, as evaluate.py refuses it
     return args["task"], args["seed"], args.get("max_episode_steps")
 
 

@@ -191,7 +191,7 @@ def test_end_to_end_on_nle_then_resume(tmp_path):
     # when it ended, by the steps collected: at most the 8 buffers in flight (8 x 32 x 2 steps) past those learned
     assert all(0 < e["env_steps"] <= resumed["env_steps"] + 512 for e in episodes)
     lines = open(os.path.join(run_dir, "messages.tsv")).read().splitlines()
-    assert lines[0] == "message\tsteps\tlabel\treward_now\tpaid" and len(lines) > 2
+    assert lines[0] == "message\tsteps\tlabel\treward_now\tpaid\tfirsts" and len(lines) > 2
 
     evaluation = evaluate([run_dir, "--episodes", "2"])
     assert evaluation.returncode == 0, evaluation.stderr[-2000:]
@@ -342,7 +342,7 @@ def test_a_dead_worker_ends_the_run_with_a_clear_error_and_a_checkpoint(tmp_path
     assert proc.returncode != 0
     assert err.strip().splitlines()[-1].startswith(error) and "Traceback" not in err
     assert f"--resume {run_dir}" in err
-    assert torch.load(os.path.join(run_dir, "checkpoint.pt"), weights_only=False)["counters"]["env_steps"] > 0
+    assert torch.load(os.path.join(run_dir, "checkpoint.pt"), weights_only=True)["counters"]["env_steps"] > 0
 
 
 def test_an_acting_process_killed_mid_message_is_a_clear_failure_not_a_hang():
@@ -567,7 +567,7 @@ def test_checkpoints_written_during_training_hold_whole_updates(tmp_path, monkey
 
     def save(run):  # what each checkpoint written to disk holds
         totals = real_save(run)
-        state = torch.load(os.path.join(run.args.run_dir, "checkpoint.pt"), weights_only=False)
+        state = torch.load(os.path.join(run.args.run_dir, "checkpoint.pt"), weights_only=True)
         steps = {int(s["step"]) for s in state["optimizer"]["state"].values()}
         saved.append((steps, state["counters"]["updates"]))
         return totals
@@ -593,7 +593,7 @@ def test_an_llm_error_retrying_cannot_fix_stops_the_run_with_a_checkpoint(tmp_pa
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("error: annotator: HTTP 404") and "no-such-model" in last, result.stderr[-2000:]
     assert f"--resume {run_dir}" in last and "Traceback" not in result.stderr
-    saved = torch.load(os.path.join(run_dir, "checkpoint.pt"), weights_only=False)
+    saved = torch.load(os.path.join(run_dir, "checkpoint.pt"), weights_only=True)
     assert saved["counters"]["updates"] >= 1
 
 

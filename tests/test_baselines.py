@@ -28,7 +28,7 @@ def assert_trained(result, run_dir, steps=3000):
     assert result.returncode == 0, result.stderr[-2000:]
     summary = json.load(open(os.path.join(run_dir, "summary.json")))
     assert summary["env_steps"] >= steps
-    checkpoint = torch.load(os.path.join(run_dir, "checkpoint.pt"), weights_only=False)
+    checkpoint = torch.load(os.path.join(run_dir, "checkpoint.pt"), weights_only=True)
     assert checkpoint["counters"]["env_steps"] == summary["env_steps"]
     return summary, checkpoint
 

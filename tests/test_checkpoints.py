@@ -1,0 +1,169 @@
+"""Checkpoints hold only what torch.load(weights_only=True) reads, so that loading a shared one cannot run code;
+one that needs pickle loads only with --trust-checkpoint, which rewrites it safe; bad files are one-line errors."""
+import collections
+import dataclasses
+import pickle
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+import evaluate
+import oni_appo
+import reward_models as rm
+from benchmarks import learning_curves
+from test_reward_models import LABELLED_STEPS, STEPS, steps_of
+
+
+class WritesAFile:
+    """Unpickled with pickle, it calls open(path, "w"): the file appears. Any code could run instead."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return open, (self.path, "w")
+
+
+def saved_run(tmp_path, reward_type):
+    """A learner's state as train() holds it, trained a little: the policy and its optimizer after a step, the reward
+    model after a few batches of STEPS (classification and ranking: trained and published)."""
+    torch.manual_seed(0)
+    args = oni_appo.Args(reward_type=reward_type, batch_size=256, extrinsic_coef=0.0, run_dir=str(tmp_path))
+    agent = oni_appo.Agent()
+    optimizer = torch.optim.Adam(agent.parameters(), lr=1e-4)
+    for parameter in agent.parameters():  # an Adam step: its state holds tensors and a step count
+        parameter.grad = torch.ones_like(parameter)
+    optimizer.step()
+    intrinsic = rm.IntrinsicReward(args, "cpu")
+    intrinsic.add_labels(labels(reward_type))
+    for _ in range(3):
+        intrinsic.rewards(*steps_of(STEPS))
+        intrinsic.label_requests()
+    if reward_type in ("classification", "ranking"):
+        assert intrinsic.piece.train_now(2, batch_size=8) == 2
+    return SimpleNamespace(args=args, agent=agent, optimizer=optimizer, intrinsic=intrinsic, client=None,
+                           counters={"env_steps": 512, "updates": 2, "episodes": 1}, saved_totals={},
+                           sums=collections.Counter(max_reward=0.5), start_time=time.time(), start_learned=0)
+
+
+def labels(reward_type):
+    if reward_type == "ranking":
+        return [{"pair": ["It's a wall.", f"You kill the {m}!"], "preference": 2} for m in ("newt", "jackal")]
+    return [{"caption": t, "label": label} for t, _, label in LABELLED_STEPS]
+
+
+def old_checkpoint(run, path):
+    """A checkpoint as oni_appo.save wrote it before this change: the state as it is, numpy arrays and all."""
+    torch.save(dict(model=run.agent.state_dict(), optimizer=run.optimizer.state_dict(), counters=run.counters,
+                    args=dataclasses.asdict(run.args), intrinsic=run.intrinsic.state_dict(), totals={}), path)
+
+
+def resumed_state(run, checkpoint):
+    """The reward model's state after a resume from checkpoint["intrinsic"], as set_up() does it."""
+    intrinsic = rm.IntrinsicReward(run.args, "cpu")
+    intrinsic.add_labels(labels(run.args.reward_type))
+    intrinsic.load_state_dict(checkpoint["intrinsic"])
+    return oni_appo.plain(intrinsic.state_dict())
+
+
+def assert_same(a, b, where="state"):
+    assert type(a) is type(b) or isinstance(a, dict) and isinstance(b, dict), (where, type(a), type(b))
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert list(a) == list(b), where
+        for key in a:
+            assert_same(a[key], b[key], f"{where}[{key!r}]")
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+def refusal(load) -> str:
+    with pytest.raises(SystemExit) as stop:
+        load()
+    message = str(stop.value)
+    assert len(message.splitlines()) == 1 and message.startswith("error: "), message
+    return message
+
+
+def test_a_checkpoint_whose_pickle_would_run_code_is_refused_and_runs_none(tmp_path):
+    marker = tmp_path / "written_by_the_checkpoint"
+    path = tmp_path / "run" / "checkpoint.pt"
+    path.parent.mkdir()
+    torch.save({"model": {}, "args": dataclasses.asdict(oni_appo.Args()), "counters": {},
+                "payload": WritesAFile(str(marker))}, path)
+    for load in (lambda: oni_appo.load_checkpoint(str(path)),  # --resume, evaluate.py and learning_curves.py
+                 lambda: oni_appo.parse_args(["--resume", str(path.parent)]),
+                 lambda: evaluate.evaluate(evaluate.Args(str(path), device="cpu")),
+                 lambda: learning_curves.random_games(str(path.parent))):
+        message = refusal(load)
+        assert f"{path} needs pickle to load (io.open)" in message and "--trust-checkpoint" in message, message
+        assert not marker.exists()
+
+
+def test_an_old_checkpoint_loads_only_with_the_flag_and_is_then_saved_safe(tmp_path, monkeypatch, capsys):
+    run = saved_run(tmp_path, "classification")
+    path = tmp_path / "checkpoint.pt"
+    old_checkpoint(run, path)
+    old = path.read_bytes()
+    for load in (lambda: oni_appo.load_checkpoint(str(path)), lambda: oni_appo.parse_args(["--resume", str(path)])):
+        assert "needs pickle to load (numpy." in refusal(load)
+    assert path.read_bytes() == old  # refused: not rewritten either
+
+    args = oni_appo.parse_args(["--resume", str(path), "--trust-checkpoint"])
+    assert args.reward_type == "classification" and "rewrote it in the safe format" in capsys.readouterr().err
+    safe = torch.load(path, weights_only=True)
+    assert_same(resumed_state(run, safe), oni_appo.plain(run.intrinsic.state_dict()))
+    assert oni_appo.load_checkpoint(str(path))[1]["counters"] == run.counters  # no flag needed any more
+
+    old_checkpoint(run, path)  # evaluate.py takes the flag too
+    loaded = []
+    monkeypatch.setattr(evaluate, "load_checkpoint", lambda *a: loaded.append(oni_appo.load_checkpoint(*a)) or 1 / 0)
+    with pytest.raises(ZeroDivisionError):  # stopped once loaded: no game played
+        evaluate.evaluate(evaluate.Args(str(path), device="cpu", trust_checkpoint=True))
+    assert loaded and torch.load(path, weights_only=True)["counters"] == run.counters
+
+
+@pytest.mark.parametrize("reward_type", ["retrieval", "classification", "ranking"])
+def test_a_saved_checkpoint_loads_safely_and_resumes_as_the_state_itself(tmp_path, reward_type):
+    """Through the file, with weights_only=True: the policy, its optimizer and the reward model come back as a
+    resume from the state in memory brings them back (the exact-resume tests start from there)."""
+    run = saved_run(tmp_path, reward_type)
+    oni_appo.save(run)
+    checkpoint = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    agent, in_memory = oni_appo.Agent(), {"intrinsic": run.intrinsic.state_dict()}
+    oni_appo.load_checkpoint(str(tmp_path), agent)
+    assert_same(agent.state_dict(), run.agent.state_dict())
+    assert_same(checkpoint["optimizer"], run.optimizer.state_dict())
+    assert_same(resumed_state(run, checkpoint), resumed_state(run, in_memory))
+    assert checkpoint["intrinsic"]["seen"][0] and isinstance(checkpoint["intrinsic"]["seen"][1], torch.Tensor)
+    assert oni_appo.plain({"n": np.float64(0.5), "c": collections.Counter(a=1)}) == {"n": 0.5, "c": {"a": 1}}
+
+
+def test_a_truncated_or_foreign_file_is_a_one_line_error(tmp_path, recwarn):
+    run = saved_run(tmp_path, "retrieval")
+    oni_appo.save(run)
+    whole = (tmp_path / "checkpoint.pt").read_bytes()
+    files = {"half.pt": whole[:len(whole) // 2], "empty.pt": b"", "notes.pt": b"hello, not a checkpoint\n",
+             "pickled.pkl": pickle.dumps({"a": 1})}  # torch warns of its protocol, then fails
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    np.save(tmp_path / "array.npy", np.zeros(3))
+    torch.save(run.agent.state_dict(), tmp_path / "weights.pt")  # a bare state_dict, as other projects save
+    torch.save({"model": {}, "args": ["--seed", "1"], "counters": {}}, tmp_path / "other.pt")  # our keys, not ours
+    for name in ("weights.pt", "other.pt"):  # other.pt: an AttributeError and its traceback
+        assert refusal(lambda: oni_appo.load_checkpoint(str(tmp_path / name))) == (
+            f"error: {tmp_path / name} is not a checkpoint of oni_appo.py")
+    for name in [*files, "array.npy"]:
+        path = tmp_path / name
+        message = refusal(lambda: oni_appo.load_checkpoint(str(path)))
+        assert message.startswith(f"error: cannot read checkpoint {path}"), message
+        assert "weights_only" not in message  # never the advice to load it with pickle
+    assert not recwarn.list

@@ -46,7 +46,8 @@ def saved_run(tmp_path, reward_type):
         assert intrinsic.piece.train_now(2, batch_size=8) == 2
     return SimpleNamespace(args=args, agent=agent, optimizer=optimizer, intrinsic=intrinsic, client=None,
                            counters={"env_steps": 512, "updates": 2, "episodes": 1}, saved_totals={},
-                           sums=collections.Counter(max_reward=0.5), start_time=time.time(), start_learned=0)
+                           sums=collections.Counter(max_reward=0.5), start_time=time.time(), start_learned=0,
+                           sessions=[oni_appo.run_record(args)])
 
 
 def labels(reward_type):

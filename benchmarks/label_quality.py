@@ -33,6 +33,7 @@ preference comes from the two scores. `--baseline` adds the labeler as it was be
 import argparse
 import collections
 import os
+import random
 import sys
 import time
 
@@ -154,15 +155,27 @@ def pair_figures(rows, values, tie_margin):
     return right, ties, max(0.0, 1 - right - ties)
 
 
-def calibrate(labeler, dev, measured):
-    """THRESHOLD, from dev asked two ways: as a new message is (its near-copy group out of the pool) and as
-    training asks a frequent one (only itself out; the production check). Of the thresholds that pay at most 5% of
-    the unhelpful steps in both (the goal; all if none does), the one with the most agreement + helpful steps paid
-    summed over both: leave-group-out alone chose 0.84, above "You kill the newt!"'s 0.81 in production. The
-    pairs' sweep over TIE_MARGIN (leave-group-out) is printed, to choose it by. `measured` keeps the scores."""
-    for leave_out in ("group", "message"):
+def calibration_sample(dev, per_label):
+    """A cheaper dev to calibrate on: of each label, the 2/3 of per_label with the most steps (they decide the shares
+    of steps), the rest drawn at random (seed 0)."""
+    rng, sample = random.Random(0), []
+    for label in (0, 1):
+        rows = sorted((r for r in dev if r.label == label), key=lambda r: -r.steps)
+        top = 2 * per_label // 3
+        sample += rows[:top] + rng.sample(rows[top:], per_label - top)
+    return sample
+
+
+def calibrate(labeler, dev, measured, leave_outs=("group", "message")):
+    """THRESHOLD, from dev asked each of leave_outs' ways: as a new message is ("group": its near-copy group out of
+    the pool), as training asks a frequent one with near-copies in the pool ("message": only itself out), or as a run
+    asks the pool's own messages (None: the whole pool). Of the thresholds that pay at most 5% of the unhelpful steps
+    in every way (the goal; all if none does), the one with the most agreement + helpful steps paid summed over them:
+    leave-group-out alone chose 0.84, above "You kill the newt!"'s 0.81 in production. The pairs' sweep over
+    TIE_MARGIN (the first way) is printed, to choose it by. `measured` keeps the scores."""
+    for leave_out in leave_outs:
         measured["dev", leave_out] = scores(labeler, dev, leave_out)
-    ways = [measured["dev", leave_out][0] for leave_out in ("group", "message")]
+    ways = [measured["dev", leave_out][0] for leave_out in leave_outs]
     known = sorted({v for values in ways for v in values if v is not annotator.UNPARSEABLE})
     candidates = [(a + b) / 2 for a, b in zip(known, known[1:])]
     results = {t: [figures(dev, to_labels(labeler, values, t)) for values in ways] for t in candidates}
@@ -171,7 +184,7 @@ def calibrate(labeler, dev, measured):
     for t in sorted({round(t, 1) for t in candidates} | {round(threshold, 2)}):
         print(f"dev: THRESHOLD {t:6.2f}: " + "; ".join(
             f"{way}: agreement {a:.0%}, unhelpful steps paid {u:.1%}, helpful steps paid {h:.0%}" for way, (a, u, h, *_)
-            in zip(("group out", "message out"), (figures(dev, to_labels(labeler, v, t)) for v in ways))))
+            in zip(leave_outs, (figures(dev, to_labels(labeler, v, t)) for v in ways))))
     for margin in (0.0, 0.1, 0.25, 0.5, 1.0, 2.0):
         print(f"dev: TIE_MARGIN {margin:4.2f}: pairs prefer the helpful one {{:.0%}}, ties {{:.0%}}, the other "
               f"{{:.0%}}".format(*pair_figures(dev, ways[0], margin)))
@@ -201,7 +214,7 @@ def misses(rows, labels, limit=None):
         print(f"    wrong: {message!r} ({kind or f'{steps:,} steps'}) expected {truth}, got {shown}")
 
 
-def report(name, labeler, sets, threshold, measured=None, baselines=False, only=None):
+def report(name, labeler, sets, threshold, measured=None, baselines=False, only=None, bare=True):
     """The figures of each of CHECKS (those of `only` if given); `measured` holds scores already asked, by (split,
     leave_out). With baselines, beside the labeler: its pool as a 1- and 3-nearest-neighbour lookup and the model
     with no demonstrations."""
@@ -219,8 +232,10 @@ def report(name, labeler, sets, threshold, measured=None, baselines=False, only=
             for k in (1, 3):
                 print(line(f"{k}-nearest lookup of the pool, no LLM", rows,
                            *nearest_labels(labeler.demos, rows, k, leave_out)))
-            bare, elapsed = scores(labeler, rows, "all")
-            print(line("the model, no demonstrations", rows, to_labels(labeler, bare, threshold), elapsed), flush=True)
+            if bare:
+                values_bare, elapsed = scores(labeler, rows, "all")
+                print(line("the model, no demonstrations", rows, to_labels(labeler, values_bare, threshold), elapsed),
+                      flush=True)
         if labeler.style == "completion":
             print("  pairs by score (one helpful, one not): {:.0%} prefer the helpful one, {:.0%} ties, {:.0%} "
                   "the other".format(*pair_figures(rows, values, annotator.TIE_MARGIN)))
@@ -296,6 +311,10 @@ def main():
                         "(faster): a greedy Yes/No, the same decision at THRESHOLD, no score for pairs")
     parser.add_argument("--cost", type=int, metavar="N", help="only time score vs greedy token on N test messages")
     parser.add_argument("--run", metavar="RUN_DIR", help="only a run's own labels against the hand labels")
+    parser.add_argument("--calibrate-on", choices=("both", "pool"), default="both", help="dev asked with its group and "
+                        "with itself out of the pool (both), or with the whole pool, as a run asks the pool's messages")
+    parser.add_argument("--sample", type=int, default=0, help="calibrate on this many dev messages of each label")
+    parser.add_argument("--no-bare", action="store_true", help="without the model with no demonstrations beside")
     parser.add_argument("--sets", nargs="+", choices=("test", "goal", "old50", "dev"), help="only these sets")
     args = parser.parse_args()
     sets = load_sets()
@@ -311,10 +330,13 @@ def main():
                 f"completion prompts, {annotator.DEMOS_PER_LABEL} demonstrations of each label")
         print(f"model {labeler.model} at {url}: {mode}", flush=True)
         measured = {}
-        threshold = calibrate(labeler, sets["dev"], measured) if args.calibrate and labeler.style == "completion" \
+        dev = calibration_sample(sets["dev"], args.sample) if args.sample else sets["dev"]
+        ways = {"both": ("group", "message"), "pool": (None,)}[args.calibrate_on]
+        threshold = calibrate(labeler, dev, {} if args.sample else measured, ways) if args.calibrate and labeler.style == "completion" \
             else annotator.THRESHOLD
         annotator.THRESHOLD = threshold
-        report(f"labeler (THRESHOLD {threshold:.2f})", labeler, sets, threshold, measured, True, args.sets)
+        report(f"labeler (THRESHOLD {threshold:.2f})", labeler, sets, threshold, measured, True, args.sets,
+               not args.no_bare)
     finally:
         if server is not None:
             llm_server.stop(server)

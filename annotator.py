@@ -57,11 +57,11 @@ PROMPTS = {
 DEMOS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "label_sets.tsv")
 DEMOS_PER_LABEL = 4
 # A base model's score of a message is logp(" Yes") - logp(" No") for the next token; helpful above THRESHOLD,
-# chosen on dev as a run asks the pool's own messages (the whole pool shown): paying at most 5% of the unhelpful
-# steps, then most agreement + helpful steps (label_quality.py --calibrate --calibrate-on pool --sample 30; with
-# the pet's gold pickups in the pool as No, the player's scored 0.5-0.9: under the 0.80 of the smaller pool).
+# paying at most 5% of dev's unhelpful steps with the message's group, and with only itself, out of the pool (as
+# new messages are asked), then most agreement + helpful steps (label_quality.py --calibrate). Chosen on the smaller
+# pool of 2026-11-24; on today's, the player's gold pickups score 0.5-0.9 beside the pet's (benchmarks/README.md).
 # Pairs tie within TIE_MARGIN.
-THRESHOLD, TIE_MARGIN = 0.31, 0.5
+THRESHOLD, TIE_MARGIN = 0.80, 0.5
 LABEL_TAG = re.compile(r"<label>\s*(FOO|BAR)\s*</label>", re.IGNORECASE)
 PREFERENCE = re.compile(r"best_description\"?\s*:\s*\"?(1|2|None)", re.IGNORECASE)
 

@@ -94,13 +94,11 @@ def load_demos(path=None) -> list:
     big model's judgement. A message labelled twice keeps its last label. Raises Fatal with the reason."""
     path = path or DEMOS_FILE
     try:
-        if path.endswith(".jsonl"):
-            with open(path) as f:
-                records = [json.loads(line) for line in f if line.strip()]
-            pairs = [(r["caption"], r["label"]) for r in records if valid_record(r) and r.get("label") is not None]
+        if path.endswith(".jsonl"):  # read as a resume reads it: a last line a crash cut short is skipped
+            pairs = [(r["caption"], r["label"]) for r in read_labels(path) if r.get("label") is not None]
         else:
             with open(path) as f:
-                header, *rows = [line.rstrip("\n").split("\t") for line in f] or [[]]
+                header, *rows = [line.rstrip("\n").split("\t") for line in f if line.strip()] or [[]]
             column = {name: i for i, name in enumerate(header)}
             if not {"message", "label"} <= set(column):
                 raise ValueError("its first line must name the tab-separated columns message and label")

@@ -441,6 +441,7 @@ def given_flags(argv) -> set[str]:
 def parse_args(argv=None) -> Args:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = tyro.cli(Args, args=argv)
+    args.demos = args.demos and os.path.abspath(args.demos)  # the record names it; a resume from elsewhere finds it
     if args.resume is not None:
         path, _, saved = load_checkpoint(args.resume, trust=args.trust_checkpoint)
         for name in sorted(given_flags(argv) - {"resume", "run_dir"}):

@@ -72,6 +72,7 @@ BASELINE_PROMPT = (  # the completion prompt before demonstrations (commit e6b09
 
 
 Row = collections.namedtuple("Row", "message steps label group firsts kind")
+GROUP_OF = {}  # every loaded message's near-copy group: a sample of dev must leave out groups of the whole pool
 
 
 def load_sets(path=None):
@@ -86,6 +87,7 @@ def load_sets(path=None):
         once = row["split"] == "goal"  # a goal message counts once, whatever the runs showed of it
         sets[row["split"]].append(Row(row["message"], 1 if once else int(row["steps"]), int(row["label"]),
                                       row["group"], 1.0 if once else float(row["firsts"]), row.get("kind", "")))
+    GROUP_OF.update({r.message: r.group for rows in sets.values() for r in rows})
     dev = {r.message for r in sets["dev"]}
     assert not dev & {r.message for name in ("test", "goal", "old50") for r in sets[name]}, "a test message in dev"
     assert not {r.group for r in sets["dev"]} & {r.group for r in sets["test"]}, "a test near-copy in the dev split"
@@ -98,7 +100,7 @@ def pool_without(pool, rows, message, leave_out):
     pool), whole (None: the test and goal sets, which it does not hold), or empty ("all": no demonstrations)."""
     if leave_out == "all":
         return []
-    group_of = {r.message: r.group for r in rows}
+    group_of = {**{r.message: r.group for r in rows}, **GROUP_OF}
     return [d for d in pool if leave_out is None or d[0] != message and (
         leave_out == "message" or group_of.get(d[0]) != group_of[message])]
 
@@ -277,7 +279,7 @@ def check_run(run_dir, sets):
     """A run's own labels (labels.jsonl, as the annotator gave them in the run) against the hand labels of every
     set, per kind, and where the run's pay went (messages.tsv): no LLM is asked."""
     labels, (messages, exact) = runs.llm_labels(run_dir), runs.read_messages(run_dir)
-    hand = {r.message: r for rows in sets.values() for r in rows}
+    hand = {r.message: r for name in ("old50", "dev", "test", "goal") for r in sets[name]}  # kinds win over old50
     known = [(hand[m], label) for m, label in labels.items() if m in hand]
     print(f"{run_dir}: {len(labels)} captions labelled, {len(known)} of them hand-labelled: agreement "
           f"{sum(r.label == y for r, y in known) / max(1, len(known)):.1%}")
@@ -325,7 +327,11 @@ def main():
         return cost(sets["test"][:args.cost])
     server, url = (None, args.llm_url) if args.llm_url else llm_server.start(scored=not args.greedy)
     try:
-        labeler = labeler_at(url, args.model, scored=not args.greedy, demos=annotator.load_demos(args.demos))
+        try:
+            demos = annotator.load_demos(args.demos)
+        except annotator.Fatal as error:
+            raise SystemExit(f"error: --demos: {error}")
+        labeler = labeler_at(url, args.model, scored=not args.greedy, demos=demos)
         mode = ("chat prompts, label parsed from the <label> tag" if labeler.style == "chat" else
                 f"completion prompts, {annotator.DEMOS_PER_LABEL} demonstrations of each label")
         print(f"model {labeler.model} at {url}: {mode}", flush=True)

@@ -828,7 +828,8 @@ def test_demos_come_from_a_tsv_or_a_runs_labels_and_a_bad_pool_is_a_one_line_err
     jsonl.write_text("".join(json.dumps(r) + "\n" for r in [
         {"caption": "You slay the dragon!", "label": 0}, {"caption": "You yawn.", "label": 0},
         {"caption": "You hear a yawn.", "label": None}, {"pair": ["a", "b"], "preference": 1},
-        {"caption": "You slay the dragon!", "label": 1}]))
+        {"caption": "You slay the dragon!", "label": 1}]) + '{"caption": "You yaw')  # a crash cut the last line
+    flat.write_text(flat.read_text() + "\n")  # a blank line, as hand-edited files end
     for path in (tsv, flat, jsonl):
         client = annotator.LabelClient(client_args(fake.url, demos=str(path)))
         assert sorted((m, label) for m, label, _ in client.demos) == [("You slay the dragon!", 1), ("You yawn.", 0)]

@@ -50,16 +50,17 @@ PROMPTS = {
 }
 # A base model copies the labels of messages like the one asked far better than it applies a stated goal
 # (benchmarks/label_quality.py): a completion prompt shows, for each message, the labelled messages nearest to
-# it by character trigrams, DEMOS_PER_LABEL of each label, nearest last. So on the embedded path the judgement comes
-# from the demonstration pool: by default the dev split of label_sets.tsv beside this file, messages of recorded runs
-# labelled by hand by the goal (its test and goal splits never reach a prompt); --demos takes any other pool.
+# it by character trigrams, DEMOS_PER_LABEL of each label, nearest last. So on the embedded path the
+# judgement comes from the demonstration pool: by default the dev split of label_sets.tsv beside this file,
+# messages of recorded runs labelled by hand by the goal (its test and goal splits never reach a prompt);
+# --demos takes any other.
 # 4, not 2: at 2 even kills with kills in the pool scored under the threshold; at 4 they score 1.25-1.83.
 DEMOS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "label_sets.tsv")
 DEMOS_PER_LABEL = 4
 # A base model's score of a message is logp(" Yes") - logp(" No") for the next token; helpful above THRESHOLD,
 # paying at most 5% of dev's unhelpful steps with the message's group, and with only itself, out of the pool (as
-# new messages are asked), then most agreement + helpful steps (label_quality.py --calibrate). Chosen on the smaller
-# pool of 2026-11-24; on today's, the player's gold pickups score 0.5-0.9 beside the pet's (benchmarks/README.md).
+# new messages are asked), then most agreement + helpful steps (label_quality.py --calibrate). Chosen on the
+# smaller pool of 2026-11-24 and kept on today's (benchmarks/README.md: 0.31 paid more unhelpful messages).
 # Pairs tie within TIE_MARGIN.
 THRESHOLD, TIE_MARGIN = 0.80, 0.5
 LABEL_TAG = re.compile(r"<label>\s*(FOO|BAR)\s*</label>", re.IGNORECASE)
@@ -88,10 +89,10 @@ def trigrams(text: str) -> collections.Counter:
 
 
 def load_demos(path=None) -> list:
-    """The demonstration pool, (message, label, its trigrams): the dev rows of a label_sets.tsv-style file (tab
-    separated, a header naming `message` and `label`; every row where there is no `split` column), or the caption
-    labels of a run's labels.jsonl, e.g. labels an 8B model gave through --llm-url, so that the laptop labeler copies a
-    big model's judgement. A message labelled twice keeps its last label. Raises Fatal with the reason."""
+    """The demonstration pool, (message, label, its trigrams): the dev rows of a label_sets.tsv-style file
+    (tab separated, a header naming `message` and `label`; every row where there is no `split` column), or the
+    caption labels of a run's labels.jsonl, e.g. labels an 8B model gave through --llm-url, so that the laptop
+    labeler copies a big model's judgement. A message labelled twice keeps its last label. Raises Fatal."""
     path = path or DEMOS_FILE
     try:
         if path.endswith(".jsonl"):  # read as a resume reads it: a last line a crash cut short is skipped
@@ -108,8 +109,9 @@ def load_demos(path=None) -> list:
         raise Fatal(f"cannot read the demonstrations {path}: {type(error).__name__}: {error}") from None
     pool = dict(pairs)
     if set(pool.values()) != {0, 1}:
-        raise Fatal(f"the demonstrations {path} hold {len(pool)} labelled messages, "
-                    f"{'none' if not pool else 'all labelled ' + str(next(iter(pool.values())))}: a pool needs both labels")
+        only = "none" if not pool else f"all labelled {next(iter(pool.values()))}"
+        raise Fatal(f"the demonstrations {path} hold {len(pool)} labelled messages, {only}: "
+                    "a pool needs both labels")
     return [(message, int(label), trigrams(message)) for message, label in pool.items()]
 
 
@@ -120,7 +122,7 @@ def similarity(grams: collections.Counter, demo) -> float:
 
 
 def demos_record(path=None) -> dict:
-    """The demonstration pool's file (default DEMOS_FILE) and its sha256 (None: unreadable), for a run's record
+    """The demonstration pool's file (default DEMOS_FILE) and its sha256 (None: unreadable), for a run record
     of what made it."""
     path = path or DEMOS_FILE
     try:
@@ -135,8 +137,8 @@ def demonstrations(caption: str, pool: list, per_label=None) -> str:
     DEMOS_PER_LABEL, read at the call) of each label, the nearest last: a small model copies what it read last most."""
     per_label, grams = per_label or DEMOS_PER_LABEL, trigrams(caption)
     near = {id(d): similarity(grams, d) for d in pool}
-    nearest = [d for label in (1, 0) for d in sorted((d for d in pool if d[1] == label), key=lambda d: near[id(d)])
-               [-per_label:]]
+    nearest = [d for label in (1, 0)
+               for d in sorted((d for d in pool if d[1] == label), key=lambda d: near[id(d)])[-per_label:]]
     return "".join(f"Message: {m}\nProgress: {'Yes' if label else 'No'}\n" for m, label, _ in
                    sorted(nearest, key=lambda d: near[id(d)]))
 
@@ -203,7 +205,8 @@ class Labeler:
     """Turns one caption or pair into a label with one HTTP request to one of the servers."""
 
     def __init__(self, urls, model, prompts, timeout_s, scored=True, demos=None):
-        self.urls, self.timeout_s, self.demos = [u.rstrip("/") for u in urls], timeout_s, demos  # None: the default
+        self.urls, self.timeout_s = [u.rstrip("/") for u in urls], timeout_s
+        self.demos = demos  # the demonstration pool; None: the default
         self.model, self.prompts, self.style = model, prompts, None  # style: set once the model is known
         self.scores = {}  # completion style: scores of single messages, reused across pairs
         self.scored, self.fallback_said = None if scored else False, threading.Lock()  # None: not known yet
@@ -326,10 +329,11 @@ class Manager(multiprocessing.managers.SyncManager):
 Manager.register("LabelTable", LabelTable, exposed=("put", "since", "settled"))
 
 
-def serve(*, urls, model, prompts, concurrency, run_dir, known, requests, table, stats, stop, scored, demos=None,
-          timeout_s=TIMEOUT_S):
+def serve(*, urls, model, prompts, concurrency, run_dir, known, requests, table, stats, stop, scored,
+          demos=None, timeout_s=TIMEOUT_S):
     """The annotator process: `concurrency` requests in flight, each to the least busy server not pausing."""
-    labeler, asking = Labeler(urls, model, prompts, timeout_s, scored, demos), set()  # asking: keys in flight (a retry of
+    labeler = Labeler(urls, model, prompts, timeout_s, scored, demos)
+    asking = set()  # keys in flight (a retry of
     backlog, attempts, in_flight = collections.OrderedDict(), collections.Counter(), {}  # one must not ask it twice)
     done = set(known) | set(table.settled())  # a restarted annotator does not ask again what is answered
     latencies, counts = collections.deque(maxlen=1000), collections.Counter(stats.copy())  # counts go on

@@ -47,9 +47,10 @@ def auth_headers() -> dict:
 
 def server_environment(backend) -> dict:
     """The server's environment: this one with OPENAI_API_KEY as the key the backend reads, and no other key
-    (one the annotator does not send, e.g. an API_KEY set for something else, would lock it out), nor a HOST or
-    PORT, which llama.cpp's server would take over the address it is given and be waited for in vain."""
-    env = {k: v for k, v in os.environ.items() if k.upper() not in {*SERVER_KEY_VARIABLES.values(), "HOST", "PORT"}}
+    (one the annotator does not send, e.g. an API_KEY set for something else, would lock it out), nor a HOST
+    or PORT, which llama.cpp's server would take over the address it is given and be waited for in vain."""
+    dropped = {*SERVER_KEY_VARIABLES.values(), "HOST", "PORT"}
+    env = {k: v for k, v in os.environ.items() if k.upper() not in dropped}
     if os.environ.get(KEY_VARIABLE):
         env[SERVER_KEY_VARIABLES[backend]] = os.environ[KEY_VARIABLE]
     return env

@@ -92,8 +92,8 @@ class Args:
     prompt_file: str | None = None
     """JSON file with your own prompt templates (see annotator.py)"""
     demos: str | None = None
-    """the embedded labeler's demonstration pool: a label_sets.tsv-style file (its dev rows) or a run's labels.jsonl,
-    e.g. one an 8B model labelled through --llm-url (default: label_sets.tsv beside this file)"""
+    """the embedded labeler's demonstration pool: a label_sets.tsv-style file (its dev rows) or a run's
+    labels.jsonl, e.g. one an 8B model labelled through --llm-url (default: label_sets.tsv, beside this)"""
     labels_from: str | None = None
     """seed the label table with a labels.jsonl of an earlier run; motif: the pairs to train on"""
     run_dir: str | None = None
@@ -406,7 +406,7 @@ def read_checkpoint(path, trust=False):
 
 
 def load_error(error) -> str:
-    """torch's reason in one line: the first sentence of its first (what follows advises pickle, or repeats)."""
+    """torch's reason in one line: its first sentence (what follows advises pickle or repeats)."""
     line = (str(error).splitlines() or [""])[0]
     return ": ".join(filter(None, (type(error).__name__, re.split(r"(?<=\w)\. ", line)[0])))
 
@@ -441,7 +441,7 @@ def given_flags(argv) -> set[str]:
 def parse_args(argv=None) -> Args:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = tyro.cli(Args, args=argv)
-    args.demos = args.demos and os.path.abspath(args.demos)  # the record names it; a resume from elsewhere finds it
+    args.demos = args.demos and os.path.abspath(args.demos)  # a resume from elsewhere finds it
     if args.resume is not None:
         path, _, saved = load_checkpoint(args.resume, trust=args.trust_checkpoint)
         for name in sorted(given_flags(argv) - {"resume", "run_dir"}):

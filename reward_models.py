@@ -398,7 +398,7 @@ class IntrinsicReward:
         self.waiting: dict[tuple, int] = {}  # pairs asked and not yet answered -> how often drawn meanwhile
         self.reused = collections.Counter()  # answered pairs drawn again: training data not in labels.jsonl
         self.seen, self.paid = collections.Counter(), collections.Counter()  # message -> steps, R / N^beta paid in all
-        self.firsts = collections.Counter()  # message -> 1 / N^beta summed: what an R of 1 would have paid (its pay weight)
+        self.firsts = collections.Counter()  # message -> 1 / N^beta summed, its pay weight
         if args.labels_from and self.piece.asks:  # a head start (Motif trains on them itself)
             self.add_labels(annotator.read_labels(args.labels_from))
 
@@ -445,7 +445,7 @@ class IntrinsicReward:
         firsts = np.bincount(inverse, weights=weights, minlength=len(texts))
         for text, n, total, first in zip(texts, steps.tolist(), paid_per_message.tolist(), firsts.tolist()):
             self.seen[text], self.paid[text] = self.seen.get(text, 0) + n, self.paid.get(text, 0.0) + total
-            self.firsts[text] = self.firsts.get(text, 0.0) + first  # numbers in dicts, not a list a message: GC
+            self.firsts[text] = self.firsts.get(text, 0.0) + first  # numbers, not a list a message (GC)
         stats = {"mean_reward": paid.mean().item(), "max_reward": paid.max().item(),
                  "rewarded_steps": (paid != 0).float().mean().item(), "unique_messages": len(texts)}
         if terminal.any():  # deaths and successes: scored with their own last message
@@ -504,24 +504,25 @@ class IntrinsicReward:
     def state_dict(self) -> dict:  # the counts as arrays: 0.8 s to save at 1e6 messages, 2 s as two dicts
         return {"pair_pool": self.pair_pool, "pool_offers": self.pool_offers, "steps_seen": self.steps_seen, "rng":
                 self.rng.getstate(), "reused": dict(self.reused), **self.piece.state_dict(), "seen": (
-                (texts := list(self.seen)), np.fromiter(self.seen.values(), np.int64), np.array([self.paid[t] for t in texts]),
-                np.array([self.firsts[t] for t in texts]))}
+                (texts := list(self.seen)), np.fromiter(self.seen.values(), np.int64),
+                np.array([self.paid[t] for t in texts]), np.array([self.firsts[t] for t in texts]))}
 
     def load_state_dict(self, state):
         if state:
             self.pair_pool, self.pool_offers, self.steps_seen = state["pair_pool"], state["pool_offers"], state["steps_seen"]
             self.rng.setstate(state["rng"])
-            seen = state.get("seen", {})  # (texts, steps, paid, firsts); before 2637f62 {text: [steps, paid]}, and
+            seen = state.get("seen", {})  # (texts, steps, paid, firsts); {text: [steps, paid]} before 2637f62
             texts, *counts = seen if isinstance(seen, tuple) else (list(seen), *zip(*seen.values())) if seen else ([], [], [])
-            counts += [[]] * (3 - len(counts))  # before the pay weights, no firsts: they count from the resume on
-            self.seen, self.paid, self.firsts = (collections.Counter(dict(zip(texts, np.asarray(c).tolist()))) for c in counts)
+            counts += [[]] * (3 - len(counts))  # no firsts before the pay weights: from the resume on
+            self.seen, self.paid, self.firsts = (collections.Counter(dict(zip(texts, np.asarray(c).tolist())))
+                                                 for c in counts)
             reused = collections.Counter(state.get("reused", {})).elements()  # their answers came back before
             self.reuse([pair for pair in reused if pair in self.answered])  # (one lost in a crash: not trained on)
             self.piece.load_state_dict({**state, "seen": self.seen})
 
     def write_messages(self, path):
-        """messages.tsv: every message seen, most paid first: its steps, LLM label, R now, R / N^beta paid in all, and
-        its pay weight (1 / N^beta summed: what R = 1 would have paid, ~ the episodes it was seen in)."""
+        """messages.tsv: every message seen, most paid first: its steps, LLM label, R now, R / N^beta paid in
+        all, and its pay weight (1 / N^beta summed: what R = 1 would have paid, ~ the episodes it was in)."""
         texts = sorted(self.seen, key=lambda t: (-self.paid[t], -self.seen[t], t))
         chunks = [texts[i:i + 4096] for i in range(0, len(texts), 4096)]
         values = [v for chunk in chunks for v in self.piece.score(to_rows(chunk, self.device), chunk).tolist()]
@@ -530,5 +531,5 @@ class IntrinsicReward:
             for text, value in zip(texts, values):
                 label = "" if text not in self.piece.labels else int(self.piece.labels[text])
                 steps, paid = self.seen[text], self.paid[text]
-                f.write(f"{' '.join(text.split()) or '(none)'}\t{steps}\t{label}\t{value if text else 0.0:.4f}\t{paid:.4f}"
-                        f"\t{self.firsts[text]:.4f}\n")
+                f.write(f"{' '.join(text.split()) or '(none)'}\t{steps}\t{label}"
+                        f"\t{value if text else 0.0:.4f}\t{paid:.4f}\t{self.firsts[text]:.4f}\n")

@@ -542,7 +542,7 @@ def test_the_learner_pays_each_step_the_published_model_s_verdict_over_n_beta():
     """What rewards() pays the steps of a learner batch once a trained model is published (whatever its rule):
     R of the step's own message / N^beta, mixed with c_int. Classification: R = 1 for what its classifier
     calls helpful, 0 for the rest. Ranking: R grows with the model's output; nothing for the message it ranks
-    lowest (the most frequent one here) and some for the one it ranks highest."""
+    lowest (the most frequent one here) and some for the one it ranks highest, over the steps' statistics."""
     texts = [KILL, KILL, WALL, "", HELPFUL[1], "You miss the newt."]
     counts = torch.tensor([[1], [2], [1], [1], [3], [1]], dtype=torch.int32)
     batch = (torch.zeros(6, 1), to_rows_batch(texts), counts, torch.zeros(6, 1, dtype=torch.bool))
@@ -567,6 +567,14 @@ def test_the_learner_pays_each_step_the_published_model_s_verdict_over_n_beta():
     expected = [R[ranked.index(t)].item() / n ** 3 if t else 0.0
                 for t, n in zip(texts, counts[:, 0].tolist())]
     assert paid[:, 0].tolist() == pytest.approx(expected) and paid[0, 0] > 0
+    # statistics over steps, not distinct messages: the message on 90% of the steps is the middle one, unpaid
+    model = rm.IntrinsicReward(make_args(reward_type="ranking"), "cpu")
+    low, high = [f"The thing {i} bites!" for i in range(15)], [f"You kill the thing {i}!" for i in range(5)]
+    model.rewards(*steps_of([(WALL, 180)] + [(t, 1) for t in low + high]))
+    model.piece.model = Ranker({WALL: 0.0, **dict.fromkeys(low, -1.0), **dict.fromkeys(high, 1.0)})
+    model.piece.publish()
+    R = model.piece.score(rm.to_rows([WALL, high[0]]), [WALL, high[0]])
+    assert R[0] == 0 and R[1] > 0, R
 
 
 def to_rows_batch(texts):

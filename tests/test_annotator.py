@@ -371,11 +371,11 @@ def train(args, timeout=600):
 def test_training_with_no_llm_listening_completes(tmp_path):
     run_dir = tmp_path / "run"
     result = train(["--reward-type", "retrieval", "--llm-url", "http://127.0.0.1:9/v1",
-                    "--total-env-steps", "6000", "--run-dir", str(run_dir)])
+                    "--total-env-steps", "3000", "--run-dir", str(run_dir)])
     assert result.returncode == 0, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
     summary = json.load(open(run_dir / "summary.json"))
-    assert summary["env_steps"] >= 6000 and summary["llm_labels"] == 0 and summary["llm_failures"] > 0
+    assert summary["env_steps"] >= 3000 and summary["llm_labels"] == 0 and summary["llm_failures"] > 0
 
 
 def test_training_survives_a_server_that_dies_and_comes_back(tmp_path):
@@ -789,9 +789,8 @@ def test_a_server_without_log_probabilities_gets_greedy_answers_and_says_so_once
     assert a.stats.get("failures", 0) == 0
 
 
+@pytest.mark.parametrize("fake", ["fake-base"], indirect=True)  # chat prompts ask for the preference itself
 def test_a_pair_preference_comes_from_the_two_scores_a_tie_only_when_close(fake, tmp_path, monkeypatch):
-    if fake.model == "fake-instruct":
-        pytest.skip("chat prompts ask for the pair's preference itself")
     monkeypatch.setattr(annotator, "TIE_MARGIN", 0.5)
     fake.margins = {"You kill the newt!": 3.0, "You kill the jackal!": 2.8, "$ - 2 gold pieces.": 1.0,
                     "It's a wall.": -2.0, "It's solid stone.": -2.3}

@@ -1,6 +1,7 @@
 """The learner: V-trace against the paper's formula, GRU resets, learning, and whole runs on NLE."""
 import collections
 import contextlib
+import copy
 import hashlib
 import json
 import os
@@ -107,6 +108,90 @@ def test_unroll_matches_stepwise_inference_and_resets_at_episode_ends():
         logits2, _ = agent.unroll(changed, torch.randn(B, 512), cuts)
     torch.testing.assert_close(logits2[3:, 0], logits[3:, 0])
     assert not torch.allclose(logits2[:3, 0], logits[:3, 0])
+
+
+class Unrolled(torch.nn.Module):
+    """A stand-in policy for appo_loss: unroll() returns the logits and values the test set (parameters)."""
+
+    def __init__(self, logits, values):
+        super().__init__()
+        self.logits, self.values = torch.nn.Parameter(logits), torch.nn.Parameter(values)
+
+    def unroll(self, obs, h0, cuts):
+        self.cuts = cuts
+        return self.logits, self.values
+
+
+def loss_by_definition(logits, values, batch, rewards, args):
+    """appo_loss written out from its parts' definitions, in numpy: the ratio clipped to [0.05, 20]; V-trace
+    by the paper's sum with rho = c = min(ratio, 1), zero at reset steps, discount gamma after running and
+    truncated steps; advantages standardized over the valid steps; PPO's min(r A, clip(r, 1/(1+c), 1+c) A);
+    reset steps masked."""
+    end, action, old = batch["end"].numpy(), batch["action"].numpy(), batch["logprob"].numpy().astype(float)
+    logits, values, rewards = logits.double().numpy(), values.double().numpy(), rewards.double().numpy()
+    log_probs = logits[:-1] - np.log(np.exp(logits[:-1]).sum(-1, keepdims=True))
+    new = np.take_along_axis(log_probs, action[..., None], -1)[..., 0]
+    ratio = np.clip(np.exp(new - old), 0.05, 20.0)
+    valid = end != End.RESET
+    discounts = args.gamma * ((end == End.RUNNING) | (end == End.TRUNCATED))
+    rho = np.minimum(ratio, 1.0) * valid
+    vs, advantages = vtrace_by_definition(rewards, values[:-1], values[-1], discounts, rho, rho)
+    mean = advantages[valid].mean()
+    advantages = (advantages - mean) / max(np.sqrt(((advantages[valid] - mean) ** 2).mean()), 1e-3)
+    low, high = 1 / (1 + args.clip_coef), 1 + args.clip_coef
+    surrogate = np.minimum(ratio * advantages, np.clip(ratio, low, high) * advantages)
+    entropy = -(np.exp(log_probs) * log_probs).sum(-1)
+    clipped = (ratio < low) | (ratio > high)
+    parts = {"policy_loss": -surrogate[valid].mean(), "value_loss": ((values[:-1] - vs) ** 2)[valid].mean(),
+             "entropy": entropy[valid].mean(), "clip_fraction": clipped[valid].mean()}
+    loss = parts["policy_loss"] + args.vf_coef * parts["value_loss"] - args.ent_coef * parts["entropy"]
+    return loss, parts, ratio, advantages, valid
+
+
+def test_appo_loss_clips_both_ways_masks_reset_steps_and_uses_off_policy_v_trace_targets():
+    """Each term of appo_loss against its definition, off-policy (ratios from 0.03 to 30) with every kind of
+    end; then the policy gradient alone: zero at reset steps and where the clip holds the ratio (above 1 + c
+    with a positive advantage, below 1 / (1 + c) with a negative one, 0.905 among them: 1 - c would not clip
+    it)."""
+    T, B, A = 8, 16, 5
+    gen = torch.Generator().manual_seed(0)
+    end = torch.randint(0, 4, (T, B), generator=gen).to(torch.int8)
+    end[:, 0] = torch.tensor([End.RUNNING, End.TRUNCATED, End.RESET, End.RUNNING, End.TERMINATED, End.RUNNING,
+                              End.RUNNING, End.RUNNING], dtype=torch.int8)
+    end[1:][end[:-1] == End.TRUNCATED] = End.RESET  # the step after a truncation only resets
+    end[1:][(end[:-1] != End.TRUNCATED) & (end[1:] == End.RESET)] = End.RUNNING
+    logits, values = torch.randn(T + 1, B, A, generator=gen), torch.randn(T + 1, B, generator=gen)
+    action = torch.randint(0, A, (T, B), generator=gen)
+    new_logp = torch.log_softmax(logits[:-1], -1).gather(-1, action[..., None])[..., 0]
+    ratio = torch.exp(torch.empty(T, B).uniform_(np.log(0.03), np.log(30.0), generator=gen))
+    ratio[:, 1::4] = 0.905  # between 1 - c and 1 / (1 + c)
+    batch = {"obs": None, "h0": None, "end": end, "action": action, "logprob": new_logp - torch.log(ratio)}
+    rewards = torch.randn(T, B, generator=gen)
+    args = SimpleNamespace(gamma=0.9, clip_coef=0.1, vf_coef=0.5, ent_coef=0.01)
+
+    agent = Unrolled(logits, values)
+    loss, stats = oni_appo.appo_loss(agent, batch, rewards, args)
+    expected, parts, ratio, advantages, valid = loss_by_definition(logits, values, batch, rewards, args)
+    assert torch.equal(agent.cuts, (end == End.TERMINATED) | (end == End.RESET))  # the GRU restarts after
+    assert loss.item() == pytest.approx(expected, rel=1e-5)
+    for name, value in parts.items():
+        assert stats[name] == pytest.approx(value, rel=1e-5, abs=1e-7), name
+
+    policy_only = SimpleNamespace(**{**vars(args), "vf_coef": 0.0, "ent_coef": 0.0})
+    agent = Unrolled(logits, values)
+    oni_appo.appo_loss(agent, batch, rewards, policy_only)[0].backward()
+    moved = agent.logits.grad[:-1].abs().sum(-1).numpy() > 0
+    low, high = 1 / 1.1, 1.1
+    up, down = (advantages > 0) & valid, (advantages < 0) & valid
+    held = (up & (ratio > high)) | (down & (ratio < low)) | (ratio <= 0.05) | (ratio >= 20)
+    assert (valid & ~held).sum() > 20 and (down & np.isclose(ratio, 0.905)).sum() > 3
+    assert (up & (ratio < low)).any() and (down & (ratio > high)).any()  # each side also unclipped
+    np.testing.assert_array_equal(moved, valid & ~held)
+    assert agent.values.grad is None or not agent.values.grad.any()  # the policy term leaves the critic alone
+    agent = Unrolled(logits, values)
+    value_only = SimpleNamespace(**{**vars(policy_only), "vf_coef": 1.0})
+    oni_appo.appo_loss(agent, batch, rewards, value_only)[0].backward()
+    np.testing.assert_array_equal(agent.values.grad[:-1].numpy() != 0, valid)  # the value loss: valid steps
 
 
 def test_learner_raises_the_probability_of_the_rewarded_action():
@@ -491,10 +576,10 @@ def test_a_step_that_ends_an_episode_is_scored_with_its_own_last_message():
 
     rewards, stats = paid({welcome.decode("latin-1"): 1.0})
     assert rewards.abs().sum() == 0 and stats["terminal_step_reward"] == 0  # the welcome is paid on no step
-    if last_message:
-        rewards, stats = paid({last_message.decode("latin-1"): 1.0})
-        assert rewards[t].item() == pytest.approx(1.0 / info["message_count"] ** 3)
-        assert stats["terminal_step_reward"] == rewards[t].item()
+    assert last_message  # a death's last words (an empty one could not tell the two messages apart)
+    rewards, stats = paid({last_message.decode("latin-1"): 1.0})
+    assert rewards[t].item() == pytest.approx(1.0 / info["message_count"] ** 3) and rewards[t].item() > 0
+    assert stats["terminal_step_reward"] == rewards[t].item()
 
 
 def train_in_process(tmp_path, argv, monkeypatch, loss_hook=None, name="run"):
@@ -511,10 +596,31 @@ def train_in_process(tmp_path, argv, monkeypatch, loss_hook=None, name="run"):
             signal.signal(s, h)
 
 
-def test_the_learner_recomputes_every_behaviour_log_prob(tmp_path, monkeypatch):
+# the first messages of an episode (NetHack's welcome; a game with a new or full moon opens with the moon's):
+# no step of the policy produces one, so a learner that pays them read the next observation's message, not the
+# step's
+FIRST_MESSAGES = ("Hello Agent, welcome to NetHack!  You are a neutral male human Monk.",
+                  "Be careful!  New moon tonight.", "You are lucky!  Full moon tonight.")
+
+
+def test_the_learner_recomputes_every_log_prob_and_pays_each_step_its_own_message(tmp_path, monkeypatch):
     """On-policy exactness: with the optimizer step a no-op (lr 0), the learner's log-prob of every
-    taken action equals the one the actor stored, at every kind of boundary."""
+    taken action equals the one the actor stored, at every kind of boundary. And the reward of every learned
+    step is its own message's (Retrieval, the first messages labelled helpful): R / N^beta at its own count,
+    nothing at a reset step, a death paid for its last message, not the next episode's first."""
+    import envs
+    import reward_models
     gaps = {name: [] for name in ("rollout start", "running", "after a death", "truncated", "reset", "after a reset")}
+    labels = {**dict.fromkeys(FIRST_MESSAGES, 1), "It's a wall.": 1, "It's solid stone.": 0}
+    labels_file = str(tmp_path / "labels.jsonl")
+    with open(labels_file, "w") as f:
+        f.writelines(json.dumps({"caption": c, "label": v}) + "\n" for c, v in labels.items())
+    monkeypatch.setattr(reward_models, "NEEDS_LLM", ())  # no annotator: these labels are all it pays
+    taken, real_take_batch, paid_steps = [], oni_appo.take_batch, collections.Counter()
+
+    def take_batch(run, rollouts):  # each step's own message, as the workers wrote it
+        taken.append(real_take_batch(run, rollouts))
+        return taken[-1]
 
     def check(real_loss, agent, batch, rewards, args):
         end = batch["end"]
@@ -527,15 +633,32 @@ def test_the_learner_recomputes_every_behaviour_log_prob(tmp_path, monkeypatch):
                             ("after a death", previous == End.TERMINATED), ("truncated", end == End.TRUNCATED),
                             ("reset", end == End.RESET), ("after a reset", previous == End.RESET)):
             gaps[name].append(gap[where])
+        learned, step_message = taken.pop()[:2]
+        assert learned is batch and not taken
+        # a step that did not end its episode shows its message in the next observation; a reset step has none
+        shown = (end == End.RUNNING) | (end == End.TRUNCATED)
+        assert torch.equal(step_message[shown], batch["obs"]["message"][1:][shown])
+        assert not step_message[end == End.RESET].any() and (batch["step_count"][end == End.RESET] == 1).all()
+        texts = [[envs.message_bytes(m.numpy()).decode("latin-1") for m in row] for row in step_message]
+        R = torch.tensor([[float(labels.get(t, 0)) for t in row] for row in texts])
+        extrinsic = (batch["reward"] * args.reward_scale).clamp(-args.reward_clip, args.reward_clip)
+        paid = R / batch["step_count"].float() ** 3  # R / N^beta
+        expected = args.extrinsic_coef * extrinsic + args.intrinsic_coef * paid
+        torch.testing.assert_close(rewards, expected)
+        for kind in End:
+            paid_steps[kind] += (R[end == kind] > 0).sum().item()
         return real_loss(agent, batch, rewards, args)
 
+    monkeypatch.setattr(oni_appo, "take_batch", take_batch)
     train_in_process(tmp_path, ["--num-workers", "2", "--num-envs-per-worker", "4", "--batch-size", "256",
-                                "--lr", "0", "--max-episode-steps", "150", "--total-env-steps", "12000"],
+                                "--lr", "0", "--max-episode-steps", "150", "--total-env-steps", "12000",
+                                "--reward-type", "retrieval", "--labels-from", labels_file],
                      monkeypatch, check)
     for name, values in gaps.items():
         values = torch.cat(values)
         assert values.numel() > 0, f"no {name} step in the run"
         assert values.max().item() < 1e-5, (name, values.max().item())
+    assert paid_steps[End.RUNNING] > 0  # the check above compared some paid steps
 
 
 def test_the_same_seed_gives_the_same_first_update(tmp_path, monkeypatch):
@@ -546,8 +669,8 @@ def test_the_same_seed_gives_the_same_first_update(tmp_path, monkeypatch):
         first_updates.append((loss.item(), batch["action"].clone(), [p.detach().clone() for p in agent.parameters()]))
         return loss, losses
 
-    argv = ["--num-workers", "1", "--num-envs-per-worker", "4", "--batch-size", "128", "--total-env-steps", "1024",
-            "--seed", "11"]
+    argv = ["--num-workers", "1", "--num-envs-per-worker", "4", "--batch-size", "128",
+            "--total-env-steps", "128", "--seed", "11"]  # one update
     train_in_process(tmp_path, argv, monkeypatch, record, name="a")
     first = first_updates[0]
     first_updates.clear()
@@ -573,7 +696,8 @@ def test_checkpoints_written_during_training_hold_whole_updates(tmp_path, monkey
         return totals
 
     monkeypatch.setattr(oni_appo, "save", save)
-    train_in_process(tmp_path, SMALL_RUN + ["--total-env-steps", "8000", "--checkpoint-every-s", "0"], monkeypatch)
+    train_in_process(tmp_path, SMALL_RUN + ["--total-env-steps", "2048", "--checkpoint-every-s", "0"],
+                     monkeypatch)
     during = [s for s in saved if s[1] > 0][:-1]  # the last one is written after training stopped
     assert len(during) >= 5
     for steps, updates in during:
@@ -616,11 +740,15 @@ def test_resume_takes_the_llm_flags_and_names_the_flags_it_ignores(tmp_path, cap
         assert oni_appo.parse_args(["--resume", path, *argv]).reward_model_share == share, (saved_share, argv)
 
 
-def test_a_run_split_by_two_resumes_reports_the_totals_of_its_pieces(tmp_path):
+def test_a_run_split_by_two_resumes_reports_the_totals_of_its_pieces(tmp_path, monkeypatch):
     """summary.json after a resume described the last session alone: llm_labels 130 while labels.jsonl held 492;
     wall time, LLM failures, policy lag and the largest reward of one session only. The run's LLM server wants
-    a key; each session records what made it."""
+    a key; each session records what made it. And the labels a session gets are paid in that session: in the
+    first, with no labels before it, as in the others."""
+    import fake_openai
     from fake_openai import FakeOpenAI
+    helpful = fake_openai.good  # and the wall, on ~10% of random play's steps: every session shows it
+    monkeypatch.setattr(fake_openai, "good", lambda text: "It's a wall." in text or helpful(text))
     fake, run_dir, summaries, failed = FakeOpenAI().start(), str(tmp_path / "run"), [], 0
     records, outputs, fake.key = [], "", "sk-test-a1b2c3d4e5f6"  # the key: from the environment
     try:
@@ -669,6 +797,7 @@ def test_a_run_split_by_two_resumes_reports_the_totals_of_its_pieces(tmp_path):
     labelled = open(os.path.join(run_dir, "labels.jsonl")).read().splitlines()
     assert last["llm_labels"] == len(labelled) > summaries[0]["llm_labels"] > 0
     assert last["intrinsic_max_reward"] == max(s["intrinsic_max_reward"] for s in summaries) > 0
+    assert summaries[0]["intrinsic_max_reward"] == 1.0  # R / 1^beta: a wall, seen first in an episode
     totals = torch.load(os.path.join(run_dir, "checkpoint.pt"), weights_only=False)["totals"]
     # the lag is a mean over every rollout step learned in all sessions (a version tag covers a slot's 2 envs)
     assert totals["lag_steps"] == last["updates"] * 256 // 2
@@ -696,14 +825,19 @@ def test_git_state_names_the_commit_and_uncommitted_changes_and_never_fails(tmp_
     assert oni_appo.git_state(repo) == ("unknown", "unknown")
 
 
-def test_a_reward_model_trainer_crash_saves_the_run_and_it_resumes(tmp_path, monkeypatch, capsys):
-    """A crash of the trainer thread re-raised as a RuntimeError before finish(): no checkpoint, summary.json or
-    messages.tsv; up to 10 minutes of training lost. It must end like a fatal LLM error."""
+def test_a_reward_model_trainer_crash_saves_the_run_and_it_resumes_exactly(tmp_path, monkeypatch, capsys):
+    """A crash of the trainer thread re-raised as a RuntimeError before finish(): no checkpoint, summary.json
+    or messages.tsv; up to 10 minutes of training lost. It must end like a fatal LLM error. The resume then
+    goes on from the checkpoint exactly: its first update starts from the saved weights, Adam state and
+    counters, the acting process acts with those weights, and the reward model starts training again from its
+    saved state."""
     import reward_models
+    from test_reward_models import assert_same
     labels = tmp_path / "labels.jsonl"  # both classes at once: the first fit is due from the first update
     labels.write_text("".join(json.dumps({"caption": c, "label": v}) + "\n" for c, v in
                               (("You kill the newt!", 1), ("It's a wall.", 0), ("You see here 3 gold pieces.", 1))))
     monkeypatch.setattr(reward_models, "NEEDS_LLM", ())  # no annotator: the labels file is all it learns from
+    monkeypatch.setattr(reward_models, "SMALL_SET", 0)  # a step per learner batch: published before the crash
     calls, real_loss = [], reward_models.Classification.minibatch_loss
 
     def crash_on_the_fifth_step(self, batch_size):
@@ -721,11 +855,47 @@ def test_a_reward_model_trainer_crash_saves_the_run_and_it_resumes(tmp_path, mon
     assert str(stop.value).endswith(f"checkpoint saved, continue with --resume {run_dir}")
     assert "injected trainer crash" in capsys.readouterr().err  # its traceback, printed when it happened
     assert all((run_dir / f).exists() for f in ("checkpoint.pt", "summary.json", "messages.tsv"))
-    saved = torch.load(run_dir / "checkpoint.pt", weights_only=False)["counters"]
+    checkpoint = torch.load(run_dir / "checkpoint.pt", weights_only=False)
+    saved, intrinsic = checkpoint["counters"], checkpoint["intrinsic"]
+    assert intrinsic["model_steps"] >= 2  # a published reward model, to resume from
+
+    seen, real_start = {}, reward_models.TrainedModel.start
+    real_learn, real_update = oni_appo.learn, oni_appo.update_policy
+
+    def start(piece, share=1.0):  # the reward model as its trainer starts again
+        seen["reward model"] = copy.deepcopy(piece.state_dict())
+        return real_start(piece, share)
+
+    def learn(run):  # the learner's counts of each message, before its first batch
+        state = run.intrinsic.state_dict()
+        seen["messages"] = {k: v for k, v in state.items() if k not in seen["reward model"]}
+        return real_learn(run)
+
+    def update_policy(run, batch, rewards):
+        if "policy" not in seen:  # the first update
+            seen["policy"] = copy.deepcopy((run.agent.state_dict(), run.optimizer.state_dict(),
+                                            dict(run.counters), run.start_steps))
+            with torch.no_grad():  # acted on by the acting process with the weights it resumed from
+                logits, _ = run.agent.unroll(batch["obs"], batch["h0"], oni_appo.episode_cut(batch["end"]))
+                logp = torch.log_softmax(logits[:-1], -1).gather(-1, batch["action"][..., None]).squeeze(-1)
+            seen["behaviour gap"] = (logp - batch["logprob"]).abs().max().item()
+        return real_update(run, batch, rewards)
+
     monkeypatch.setattr(reward_models.Classification, "minibatch_loss", real_loss)  # the cause fixed: resume
+    monkeypatch.setattr(reward_models.TrainedModel, "start", start)
+    monkeypatch.setattr(oni_appo, "learn", learn)
+    monkeypatch.setattr(oni_appo, "update_policy", update_policy)
     summary = train_in_process(tmp_path, ["--resume", str(run_dir), "--total-env-steps", str(saved["env_steps"] + 1024)],
                                monkeypatch)
     assert summary["updates"] > saved["updates"] and summary["env_steps"] >= saved["env_steps"] + 1024
+    model, optimizer, counters, start_steps = seen["policy"]
+    assert_same(model, checkpoint["model"])
+    assert_same(optimizer, checkpoint["optimizer"])
+    assert counters["updates"] == saved["updates"] and start_steps == saved["env_steps"]
+    assert seen["behaviour gap"] < 1e-5
+    assert_same(seen["reward model"], {k: v for k, v in intrinsic.items() if k in seen["reward model"]})
+    assert_same(seen["messages"], {k: v for k, v in intrinsic.items() if k in seen["messages"]})
+    assert len(seen["messages"]["seen"][0]) > 3  # the messages the first session saw, counted on
 
 
 def process_states():
@@ -816,7 +986,8 @@ def test_the_trainer_gets_the_reward_model_share(tmp_path, monkeypatch):
         assert shares.pop() == share
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (run it on one: README, Tests)")
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="CUDA graphs need a GPU: CI (.ci/run, CPU only) skips it; run it on one (README)")
 def test_inference_from_cuda_graphs_equals_eager_inference_after_weight_updates():
     """act() replays a CUDA graph per batch size; a graph that kept the weights it was captured with (were they
     replaced, not copied into) or mixed up its sizes would act with a stale or wrong policy, off-policy unseen."""

@@ -66,12 +66,19 @@ def test_ellm_reward_in_the_learner_is_zero_for_the_empty_message(embedder):
     assert reward[1] > reward[2]
 
 
-def test_ellm_trains_end_to_end(tmp_path):
+def test_ellm_trains_end_to_end(tmp_path, embedder):
     run_dir = str(tmp_path / "ellm")
     result = run(SHORT_RUN + ["--reward-type", "ellm", "--run-dir", run_dir])
-    _, checkpoint = assert_trained(result, run_dir)
+    summary, checkpoint = assert_trained(result, run_dir)
     assert checkpoint["args"]["reward_type"] == "ellm"
     assert not os.path.exists(os.path.join(run_dir, "llm_server.log"))  # ELLM asks no LLM
+    # it paid: each message its cosine to the goal, R / N^beta at each step
+    rows = [line.split("\t") for line in open(os.path.join(run_dir, "messages.tsv")).read().splitlines()[1:]]
+    paid = [(text, float(now), float(total)) for text, _, _, now, total, _ in rows
+            if text != "(none)" and float(total) > 0]
+    assert len(paid) >= 3 and 0 < summary["intrinsic_max_reward"] <= 1
+    for text, now, _ in paid[:3]:  # the most paid
+        assert now == pytest.approx(embedder([text]).item(), abs=1e-4), text
 
 
 def write_pairs(path, repeats=60):

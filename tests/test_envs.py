@@ -48,18 +48,24 @@ def descend_stairs(env):
 
 @pytest.mark.parametrize("task", list(envs.TASKS))
 def test_each_task_steps_with_28_actions(task):
-    env = envs.make_env(task, seed=0)
+    env = envs.make_env(task, seed=0, max_episode_steps=100)
     assert env.action_space.n == 28 and len(envs.ACTIONS) == 28
     obs, info = env.reset()
     assert set(obs) == set(envs.OBS_KEYS) and info["message_count"] == 1
-    rng = np.random.default_rng(0)
+    rng, ended, rewards = np.random.default_rng(0), 0, []
     for _ in range(300):
         obs, reward, term, trunc, info = env.step(int(rng.integers(28)))
         assert obs["chars"].shape == (21, 79) and obs["message"].shape == (256,)
         assert info["message_count"] >= 1
-        if term or trunc:
-            assert {"return", "steps", "score", "depth", "xlvl", "gold", "kills", "explored"} <= set(info["episode"])
+        rewards.append(reward)
+        if term or trunc:  # the episode's statistics are its own: its steps and the sum of its rewards
+            episode = info["episode"]
+            assert {"return", "steps", "score", "depth", "xlvl", "gold", "kills", "explored"} <= set(episode)
+            assert episode["steps"] == len(rewards) and episode["return"] == pytest.approx(sum(rewards))
+            assert episode["depth"] >= 1 and episode["xlvl"] >= 1 and episode["explored"] > 0
+            ended, rewards = ended + 1, []
             env.reset()
+    assert ended >= 2  # episodes of at most 100 steps: the checks above ran
     env.close()
 
 

@@ -171,7 +171,8 @@ def test_nle_reads_its_ttyrec_and_every_step_screen_is_one_of_its_frames(recorde
 
 
 @pytest.mark.skipif(shutil.which("chromium") is None,
-                    reason="no chromium: `apt-get install chromium` (Debian's package; .ci/run installs it)")
+                    reason="no chromium: `apt-get install chromium` (Debian's package); CI (.ci/run) "
+                           "installs it and runs this test, skipped there only if that install failed")
 def test_the_page_opens_in_headless_chromium(recorded):
     run_dir, _, data = recorded
     dom = subprocess.run(["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom",
@@ -189,3 +190,49 @@ def test_random_records_too_and_an_unwritable_dir_is_one_line(recorded, tmp_path
     (tmp_path / "file").write_text("")
     with pytest.raises(SystemExit, match=r"^error: cannot write replays to .*/file/replay: "):
         evaluate.evaluate(evaluate.Args(str(run_dir), record=str(tmp_path / "file" / "replay"), device="cpu"))
+
+
+def test_each_episode_starts_from_a_fresh_state_and_reports_its_own_statistics(tmp_path, monkeypatch):
+    """evaluate.py plays 16 episodes at a time; the 17th and 18th start in envs 0 and 1 after their first
+    games end. Each episode must start from a zero GRU state (one carried over would make it depend on the
+    game before), and eval.json must list the games played, in the order they started, with their means."""
+    args = oni_appo.Args(reward_type="none", max_episode_steps=6, seed=SEED)
+    torch.manual_seed(0)
+    run_dir = save_run(tmp_path, args, oni_appo.Agent())
+    states, games, real_step, real_make = [], [], oni_appo.Agent.step, envs.make_env
+
+    def step(self, obs, h):  # the states the policy acts from, call by call
+        states.append(h.clone())
+        return real_step(self, obs, h)
+
+    class Recorded:  # a game's own sums, kept as NLE steps it
+        def __init__(self, env):
+            self.env = env
+
+        def reset(self):
+            games.append({"return": 0.0, "steps": 0})  # games start in the order of these calls
+            self.game = games[-1]
+            return self.env.reset()
+
+        def step(self, action):
+            obs, reward, terminated, truncated, info = self.env.step(action)
+            self.game["return"] += reward
+            self.game["steps"] += 1
+            if terminated or truncated:
+                self.game["explored"] = info["episode"]["explored"]
+            return obs, reward, terminated, truncated, info
+
+        def close(self):
+            self.env.close()
+
+    monkeypatch.setattr(oni_appo.Agent, "step", step)
+    monkeypatch.setattr(envs, "make_env", lambda *a, **kw: Recorded(real_make(*a, **kw)))
+    summary = evaluate.evaluate(evaluate.Args(run_dir, episodes=18, device="cpu"))
+    saved = json.load(open(tmp_path / "eval.json"))
+    assert [{k: e[k] for k in ("return", "steps", "explored")} for e in saved["episodes"]] == games
+    assert len({json.dumps(g) for g in games}) > 9  # games told apart: one listed in another's place shows
+    assert saved["mean"] == summary == {k: float(np.mean([e[k] for e in saved["episodes"]])) for k in summary}
+    # every game ran its 6 steps: calls 0-5 act for the first 16 episodes, calls 6-11 for the 17th and 18th
+    assert [len(h) for h in states] == [16] * 6 + [2] * 6 and all(g["steps"] == 6 for g in games)
+    assert not states[0].any() and not states[6].any(), states[6].abs().sum()
+    assert all(states[t].abs().sum(-1).min() > 0 for t in (1, 5, 7, 11))  # within an episode it goes on

@@ -180,10 +180,10 @@ def test_message_counts_hold_no_object_the_garbage_collector_walks_and_old_check
     old.add_labels([{"caption": "You kill the newt!", "label": 1}])
     old.load_state_dict(state)
     old.write_messages(tmp_path / "old.tsv")
-    without_firsts = [line.rsplit("\t", 1)[0] for line in (tmp_path / "now.tsv").read_text().splitlines()]
-    # an old checkpoint has no pay weights: they count from the resume on (0 here), all else is the same
-    assert [line.rsplit("\t", 1) for line in (tmp_path / "old.tsv").read_text().splitlines()][1:] == \
-        [[line, "0.0000"] for line in without_firsts[1:]]
+    rows = lambda name: [line.split("\t") for line in (tmp_path / name).read_text().splitlines()]
+    # the same steps and pay; the pay weights (firsts), which old checkpoints lack, count from the resume on
+    assert [row[:5] for row in rows("old.tsv")] == [row[:5] for row in rows("now.tsv")]
+    assert [row[5] for row in rows("old.tsv")[1:]] == ["0.0000"] * 3
 
 
 def test_a_labelled_caption_answered_unparseable_later_is_not_asked_again():
@@ -197,9 +197,14 @@ def test_resume_reloads_labels_without_asking_again(tmp_path, monkeypatch):
     with open(tmp_path / annotator.LABELS_FILE, "w") as f:
         f.write(json.dumps({"caption": "You kill the newt!", "label": 1}) + "\n")
         f.write(json.dumps({"pair": ["It's a wall.", "You kill the newt!"], "preference": 2}) + "\n")
-    model = rm.IntrinsicReward(make_args(reward_type="retrieval"), "cpu")
+    saved = rm.IntrinsicReward(make_args(reward_type="retrieval"), "cpu")  # the run that wrote the checkpoint
+    saved.add_labels(annotator.read_labels(tmp_path / annotator.LABELS_FILE))
+    saved.rewards(torch.zeros(3, 1), to_rows_batch(["You kill the newt!"] * 2 + ["It's a wall."]),
+                  torch.tensor([[1], [2], [1]], dtype=torch.int32), torch.zeros(3, 1, dtype=torch.bool))
+    model = rm.IntrinsicReward(make_args(reward_type="retrieval"), "cpu")  # its resume
     model.add_labels(annotator.read_labels(tmp_path / annotator.LABELS_FILE))  # as the learner does on resume
-    model.load_state_dict(model.state_dict())
+    model.load_state_dict(saved.state_dict())
+    assert (model.seen, model.paid, model.firsts) == (saved.seen, saved.paid, saved.firsts)  # messages.tsv's
     assert model.piece.labels == {"You kill the newt!": 1.0}
     assert model.piece.pairs == [("It's a wall.", "You kill the newt!", 0.0)]
     assert model.known_keys() == {"You kill the newt!", annotator.item_key(("It's a wall.", "You kill the newt!")),
@@ -263,6 +268,40 @@ def test_real_nle_messages_are_labelled_by_the_embedded_server_and_reach_the_lea
         client.close()
     assert client.stats()["labels"] == len(messages)
     assert len(open(tmp_path / annotator.LABELS_FILE).readlines()) == len(messages)
+
+
+def test_ranking_pairs_are_answered_by_the_embedded_server_with_a_real_preference(tmp_path):
+    """Ranking's pairs through the real embedded llama.cpp server (the fake server is for faults): drawn from
+    the pool, asked, answered from the model's log-probabilities, trained on once a draw. Each pairs a helpful
+    message with an unhelpful one; the model prefers the helpful one, and the reward model trained on the
+    answers ranks it higher."""
+    kill, wall, gold = "You kill the newt!", "It's a wall.", "You see here 5 gold pieces."  # 3 scores of ~5 s
+    model = rm.IntrinsicReward(make_args(reward_type="ranking"), "cpu")
+    client = annotator.LabelClient(model.args)
+    client.start(str(tmp_path), known=model.known_keys())  # no --llm-url: the embedded llama.cpp server
+    try:
+        for pool in ([kill, wall], [wall, gold]):  # one pair each, drawn 8 times: asked once
+            model.pair_pool, model.batches_to_pair = pool, 1
+            captions, pairs = model.label_requests()
+            assert captions == [] and len(pairs) == 1
+            client.request(captions, pairs)
+        deadline = time.time() + 300
+        while model.waiting and time.time() < deadline:
+            time.sleep(0.5)
+            model.add_labels(client.new_records())
+    finally:
+        client.close()
+    assert not model.waiting and client.stats()["answers_scored"] == 1  # log-probabilities, no greedy token
+    helpful = {kill, gold}
+    trained = model.piece.pairs
+    assert len(trained) == 2 * rm.PAIRS_PER_BATCH
+    assert {frozenset(p[:2]) for p in trained} == {frozenset((kill, wall)), frozenset((wall, gold))}
+    assert all(p == float(a in helpful) for a, b, p in trained), trained  # the helpful one preferred: no tie
+    torch.manual_seed(0)
+    model.piece.train_now(100, batch_size=16)
+    with torch.no_grad():
+        kill_r, wall_r, gold_r = model.piece.model(rm.to_rows([kill, wall, gold])).tolist()
+    assert kill_r > wall_r and gold_r > wall_r
 
 
 def test_llm_server_commands_and_errors(tmp_path, monkeypatch):
@@ -485,6 +524,61 @@ def publish(piece, judge, fresh=True):  # the gate's verdict on a model; fresh: 
     piece.model, piece.published = judge, None if fresh else piece.published
     piece.publish()
     return piece.published["fitted"]
+
+
+class Ranker(torch.nn.Module):
+    """A stand-in ranking model: the output of each message is given (0 for the rest)."""
+
+    def __init__(self, values):
+        super().__init__()
+        self.values = values
+
+    def forward(self, rows):
+        texts = [bytes(row).rstrip(b"\0").decode("latin-1") for row in rows.tolist()]
+        return torch.tensor([self.values.get(t, 0.0) for t in texts])
+
+
+def test_the_learner_pays_each_step_the_published_model_s_verdict_over_n_beta():
+    """What rewards() pays the steps of a learner batch once a trained model is published (whatever its rule):
+    R of the step's own message / N^beta, mixed with c_int. Classification: R = 1 for what its classifier
+    calls helpful, 0 for the rest. Ranking: R grows with the model's output; nothing for the message it ranks
+    lowest (the most frequent one here) and some for the one it ranks highest, over the steps' statistics."""
+    texts = [KILL, KILL, WALL, "", HELPFUL[1], "You miss the newt."]
+    counts = torch.tensor([[1], [2], [1], [1], [3], [1]], dtype=torch.int32)
+    batch = (torch.zeros(6, 1), to_rows_batch(texts), counts, torch.zeros(6, 1, dtype=torch.bool))
+    model = labelled_steps_seen()
+    assert publish(model.piece, Judge(HELPFUL))  # exactly right: the gate is on
+    rewards, paid, _ = model.rewards(*batch)
+    assert paid[:, 0].tolist() == pytest.approx([1.0, 1 / 8, 0.0, 0.0, 1 / 27, 0.0])
+    torch.testing.assert_close(rewards, 0.4 * paid)
+
+    model = rm.IntrinsicReward(make_args(reward_type="ranking"), "cpu")
+    values = {t: -2.0 for t, _, _ in LABELLED_STEPS}  # unhelpful: low, the wall lowest
+    values.update({WALL: -3.0, **{t: 1.0 + i for i, t in enumerate(HELPFUL)}})  # helpful higher, last most
+    model.rewards(*steps_of([(t, k) for t, k, _ in LABELLED_STEPS]))  # the recent steps of its statistics
+    model.piece.model = Ranker(values)
+    model.piece.publish()
+    ranked = sorted(values, key=values.get)
+    _, paid, _ = model.rewards(torch.zeros(len(ranked), 1), to_rows_batch(ranked), torch.ones(len(ranked), 1,
+                               dtype=torch.int32), torch.zeros(len(ranked), 1, dtype=torch.bool))
+    R = paid[:, 0]
+    assert R[0] == 0 and R[-1] > 0 and (R[1:] >= R[:-1]).all(), dict(zip(ranked, R.tolist()))
+    _, paid, _ = model.rewards(*batch)  # at N: R / N^beta
+    expected = [R[ranked.index(t)].item() / n ** 3 if t else 0.0
+                for t, n in zip(texts, counts[:, 0].tolist())]
+    assert paid[:, 0].tolist() == pytest.approx(expected) and paid[0, 0] > 0
+    # statistics over steps, not distinct messages: the message on 90% of the steps is the middle one, unpaid
+    model = rm.IntrinsicReward(make_args(reward_type="ranking"), "cpu")
+    low, high = [f"The thing {i} bites!" for i in range(15)], [f"You kill the thing {i}!" for i in range(5)]
+    model.rewards(*steps_of([(WALL, 180)] + [(t, 1) for t in low + high]))
+    model.piece.model = Ranker({WALL: 0.0, **dict.fromkeys(low, -1.0), **dict.fromkeys(high, 1.0)})
+    model.piece.publish()
+    R = model.piece.score(rm.to_rows([WALL, high[0]]), [WALL, high[0]])
+    assert R[0] == 0 and R[1] > 0, R
+
+
+def to_rows_batch(texts):
+    return rm.to_rows(texts).view(len(texts), 1, 256)
 
 
 def test_the_classifier_gate_judges_recall_over_the_agent_s_steps():

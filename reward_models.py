@@ -399,6 +399,7 @@ class IntrinsicReward:
         self.reused = collections.Counter()  # answered pairs drawn again: training data not in labels.jsonl
         self.seen, self.paid = collections.Counter(), collections.Counter()  # message -> steps, R / N^beta paid in all
         self.firsts = collections.Counter()  # message -> 1 / N^beta summed, its pay weight
+        self.firsts_partial = False  # resumed from a checkpoint older than the pay weights: counted since
         if args.labels_from and self.piece.asks:  # a head start (Motif trains on them itself)
             self.add_labels(annotator.read_labels(args.labels_from))
 
@@ -502,10 +503,12 @@ class IntrinsicReward:
         return captions, list(dict.fromkeys(asked))
 
     def state_dict(self) -> dict:  # the counts as arrays: 0.8 s to save at 1e6 messages, 2 s as two dicts
-        return {"pair_pool": self.pair_pool, "pool_offers": self.pool_offers, "steps_seen": self.steps_seen, "rng":
-                self.rng.getstate(), "reused": dict(self.reused), **self.piece.state_dict(), "seen": (
-                (texts := list(self.seen)), np.fromiter(self.seen.values(), np.int64),
-                np.array([self.paid[t] for t in texts]), np.array([self.firsts[t] for t in texts]))}
+        texts = list(self.seen)
+        return {"pair_pool": self.pair_pool, "pool_offers": self.pool_offers, "steps_seen": self.steps_seen,
+                "rng": self.rng.getstate(), "reused": dict(self.reused), **self.piece.state_dict(),
+                "firsts_partial": self.firsts_partial, "seen": (
+                    texts, np.fromiter(self.seen.values(), np.int64), np.array([self.paid[t] for t in texts]),
+                    np.array([self.firsts[t] for t in texts]))}
 
     def load_state_dict(self, state):
         if state:
@@ -513,6 +516,7 @@ class IntrinsicReward:
             self.rng.setstate(state["rng"])
             seen = state.get("seen", {})  # (texts, steps, paid, firsts); {text: [steps, paid]} before 2637f62
             texts, *counts = seen if isinstance(seen, tuple) else (list(seen), *zip(*seen.values())) if seen else ([], [], [])
+            self.firsts_partial = state.get("firsts_partial", False) or len(counts) < 3
             counts += [[]] * (3 - len(counts))  # no firsts before the pay weights: from the resume on
             self.seen, self.paid, self.firsts = (collections.Counter(dict(zip(texts, np.asarray(c).tolist())))
                                                  for c in counts)
@@ -522,12 +526,14 @@ class IntrinsicReward:
 
     def write_messages(self, path):
         """messages.tsv: every message seen, most paid first: its steps, LLM label, R now, R / N^beta paid in
-        all, and its pay weight (1 / N^beta summed: what R = 1 would have paid, ~ the episodes it was in)."""
+        all, and its pay weight (1 / N^beta summed: what R = 1 would have paid, ~ the episodes it was in),
+        named firsts_since_resume where a resume of an older checkpoint started it late (readers estimate it)."""
         texts = sorted(self.seen, key=lambda t: (-self.paid[t], -self.seen[t], t))
         chunks = [texts[i:i + 4096] for i in range(0, len(texts), 4096)]
         values = [v for chunk in chunks for v in self.piece.score(to_rows(chunk, self.device), chunk).tolist()]
         with open(path, "w") as f:
-            f.write("message\tsteps\tlabel\treward_now\tpaid\tfirsts\n")
+            weights = "firsts_since_resume" if self.firsts_partial else "firsts"
+            f.write(f"message\tsteps\tlabel\treward_now\tpaid\t{weights}\n")
             for text, value in zip(texts, values):
                 label = "" if text not in self.piece.labels else int(self.piece.labels[text])
                 steps, paid = self.seen[text], self.paid[text]

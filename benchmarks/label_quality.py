@@ -164,7 +164,7 @@ def calibration_sample(dev, per_label):
     for label in (0, 1):
         rows = sorted((r for r in dev if r.label == label), key=lambda r: -r.steps)
         top = 2 * per_label // 3
-        sample += rows[:top] + rng.sample(rows[top:], per_label - top)
+        sample += rows[:top] + rng.sample(rows[top:], max(0, min(per_label, len(rows)) - top))
     return sample
 
 

@@ -3,15 +3,19 @@
 A message's pay weight is what an R of 1 would have paid it under the count normalization: 1 / N^beta summed over
 its steps, N its sightings so far in the episode. It is close to the number of episodes it was seen in, so a message
 on 1% of the steps, seen once an episode, can weigh more than a wall bumped into fifty times an episode. Runs since
-the `firsts` column of messages.tsv record it exactly; for older runs it is estimated from the steps and the run's
-episodes as if a message's sightings fell on episodes at random (Poisson): E * (1 - exp(-steps / E)). That
-overstates the weight of messages that cluster in a few episodes; `exact` says which was used."""
+the `firsts` column of messages.tsv record it exactly; for older runs, and runs resumed from an older checkpoint
+(whose column is `firsts_since_resume`), it is estimated from the steps and the run's episodes as if a message's
+sightings fell on episodes at random (Poisson): E * (1 - exp(-steps / E)). That overstates the weight of messages
+that cluster in a few episodes; `exact` says which was used."""
 import json
 import math
 import os
+import sys
 from dataclasses import dataclass
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import annotator  # noqa: E402
 LABEL_SETS = os.path.join(ROOT, "label_sets.tsv")
 
 
@@ -51,16 +55,14 @@ def hand_labels(path: str = LABEL_SETS) -> dict[str, tuple[int, str]]:
 
 
 def llm_labels(*run_dirs: str) -> dict[str, int]:
-    """{caption: label} from the labels.jsonl of runs (captions only, the last answer wins, unknowns left out)."""
+    """{caption: label} from the labels.jsonl of runs (captions only, the last answer wins, unknowns left out), read
+    as a resume reads it: a last line that a crash or a running run cut short is skipped."""
     out = {}
     for run_dir in run_dirs:
-        path = os.path.join(run_dir, "labels.jsonl")
-        if os.path.exists(path):
-            with open(path) as f:
-                for line in f:
-                    record = json.loads(line)
-                    if "caption" in record and record["label"] is not None:
-                        out[" ".join(record["caption"].split())] = record["label"]
+        path = os.path.join(run_dir, annotator.LABELS_FILE)
+        for record in annotator.read_labels(path) if os.path.exists(path) else []:
+            if "caption" in record and record["label"] is not None:
+                out[" ".join(record["caption"].split())] = record["label"]
     return out
 
 

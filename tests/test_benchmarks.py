@@ -66,6 +66,16 @@ def test_label_quality_weighs_by_steps_and_pay_and_keeps_the_test_and_goal_sets_
     asked = [Row("You kill the jackal!", 1, 1, "e", 1.0, ""), Row("It's a wall!", 1, 0, "f", 1.0, "")]
     assert label_quality.nearest_labels(pool, asked, k=1)[0] == [1, 0]  # the lookup copies its nearest label
     assert label_quality.nearest_labels(pool, asked, k=3)[0] == [0, 0]  # ... or the majority of the three
+    # a sample of more messages than a label has takes them all (it raised ValueError)
+    assert sorted(label_quality.calibration_sample(rows, per_label=3)) == sorted(rows)
+
+
+def test_runs_reads_the_labels_of_a_run_still_writing_them(tmp_path):
+    """A run killed mid-write, or still running, cut the last line of labels.jsonl: runs.llm_labels raised."""
+    from benchmarks import runs
+    (tmp_path / "labels.jsonl").write_text('{"caption": "You kill the newt!", "label": 1}\n{"caption": "It\'s a wall.", '
+                                           '"label": 0}\n{"caption": "You see')
+    assert runs.llm_labels(str(tmp_path)) == {"You kill the newt!": 1, "It's a wall.": 0}
 
 
 def test_label_scale_prints_each_figure_of_each_case():

@@ -17,6 +17,7 @@ import annotator
 import envs
 import llm_server
 import reward_models as rm
+from benchmarks import runs
 
 MONSTERS = ["newt", "jackal", "grid bug", "lichen", "kobold", "gnome", "sewer rat", "fox",
             "goblin", "acid blob", "yellow mold", "hill orc", "dwarf", "giant rat", "gecko", "homunculus"]
@@ -184,6 +185,15 @@ def test_message_counts_hold_no_object_the_garbage_collector_walks_and_old_check
     # the same steps and pay; the pay weights (firsts), which old checkpoints lack, count from the resume on
     assert [row[:5] for row in rows("old.tsv")] == [row[:5] for row in rows("now.tsv")]
     assert [row[5] for row in rows("old.tsv")[1:]] == ["0.0000"] * 3
+    # ...and say so, in every later session too: a reader then estimates them rather than take them as exact
+    again = rm.IntrinsicReward(make_args(reward_type="retrieval", intrinsic_coef=1.0, extrinsic_coef=0.0), "cpu")
+    again.load_state_dict(old.state_dict())
+    for name, model in (("new", model), ("old", old), ("again", again)):
+        (tmp_path / name).mkdir()
+        model.write_messages(tmp_path / name / "messages.tsv")
+        (tmp_path / name / "summary.json").write_text('{"episodes": 1}')
+    assert rows("old.tsv")[0][5] == "firsts_since_resume" and rows("now.tsv")[0][5] == "firsts"
+    assert [runs.read_messages(tmp_path / name)[1] for name in ("new", "old", "again")] == [True, False, False]
 
 
 def test_a_labelled_caption_answered_unparseable_later_is_not_asked_again():

@@ -6,6 +6,8 @@ Env worker processes step their envs in two halves (double buffering) into share
 process acts for the halves that are ready; this, the learner's process, trains on full rollouts and hands the new
 weights back; `annotator.py` (a subprocess) asks the LLM server about the messages the agent sees. See README.md.
 """
+
+
 import collections
 import contextlib
 import dataclasses
@@ -33,6 +35,9 @@ import tyro
 import annotator
 import envs
 import reward_models
+
+
+# ---------------------------------------- config ----------------------------------------------------------
 
 
 @dataclass
@@ -116,32 +121,68 @@ class Args:
 RESUME_OVERRIDES = ("total_env_steps", "num_workers", "device", "track", "llm_url", "llm_model", "llm_concurrency",
                     "llm_threads", "prompt_file", "checkpoint_every_s", "reward_model_share",
                     "trust_checkpoint")
-LLM_COUNTS = ("requests", "labels", "failures", "parse_failures", "dropped", "restarts")  # summed over resumes
-CROP = 12  # the paper's crop of the map around the agent
-TORCH_THREADS = torch.get_num_threads()  # the learner's, read before any thread changes the default
-LOCK_WAIT_S = 10.0  # a copy of the weights takes ~1 ms: a lock held this long is held by a process that died
-
-
-class End(enum.IntEnum):
-    """Per-transition end codes in the rollout buffers."""
-    RUNNING = 0
-    TERMINATED = 1  # death or success: the return is cut, the next observation starts a new episode
-    TRUNCATED = 2  # time limit: bootstrapped from its last observation, which obs t+1 shows
-    RESET = 3  # the step after a truncation only reset the env: no transition of the policy
-
-
-def episode_cut(end):
-    """Transitions after which the next observation starts a new episode (numpy: ints, an IntEnum costs it ~4x)."""
-    return (end == End.TERMINATED.value) | (end == End.RESET.value)
-
-
-def carry_state(h, end):
-    """The GRU state [..., hidden] the next observation starts from: zeroed after an episode's end."""
-    return h * ~episode_cut(end).to(h.device)[..., None]
 
 
 def fail(message: str):  # a clear one-line error for the user, no traceback
     raise SystemExit(f"error: {message}")
+
+
+def given_flags(argv) -> set[str]:
+    """The Args fields named on the command line (--a-b, --a_b, --a=v, --no-a), whatever their values: a resume
+    must apply `--num-workers 2` even where 2 is the default, and `--llm-url` with no URL (back to the embedded server)."""
+    names = {f.name for f in dataclasses.fields(Args)}
+    flags = {token[2:].split("=", 1)[0].replace("-", "_") for token in argv if token.startswith("--")}
+    return {name if name in names else name.removeprefix("no_") for name in flags} & names
+
+
+def parse_args(argv=None) -> Args:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = tyro.cli(Args, args=argv)
+    args.demos = args.demos and os.path.abspath(args.demos)  # a resume from elsewhere finds it
+    if args.resume is not None:
+        path, _, saved = load_checkpoint(args.resume, trust=args.trust_checkpoint)
+        for name in sorted(given_flags(argv) - {"resume", "run_dir"}):
+            if name in RESUME_OVERRIDES:
+                setattr(saved, name, getattr(args, name))
+            else:
+                print(f"--resume: ignoring --{name.replace('_', '-')}; the run keeps its saved value", file=sys.stderr)
+        saved.resume, saved.run_dir = path, os.path.dirname(path)
+        args = saved
+    if args.task not in envs.TASKS:
+        fail(f"unknown task {args.task!r}; known tasks: {', '.join(envs.TASKS)}")
+    if args.reward_type not in reward_models.REWARD_TYPES:
+        fail(f"unknown reward type {args.reward_type!r}; choose one of {', '.join(reward_models.REWARD_TYPES)}")
+    gpu = torch.cuda.is_available() if args.device == "auto" else args.device.startswith("cuda")  # README: Performance
+    for name, value in dict(num_workers=max(1, (os.cpu_count() or 1) - 2 * gpu), num_envs_per_worker=64 if gpu else 16,
+                            batch_size=4096 if gpu else 1024).items():  # a resumed run has its own (not None)
+        setattr(args, name, value if getattr(args, name) is None else getattr(args, name))
+    if min(args.num_workers, args.rollout, args.batch_size, args.num_envs_per_worker - 1) < 1 or args.num_envs_per_worker % 2:
+        fail("need --num-workers, --rollout, --batch-size >= 1 and an even --num-envs-per-worker >= 2")
+    if args.max_episode_steps < 1 or (args.llm_threads is not None and args.llm_threads < 1) or not 0 < args.reward_model_share <= 1:
+        fail("need --max-episode-steps >= 1, --llm-threads >= 1 and 0 < --reward-model-share <= 1")
+    slot_steps = args.rollout * args.num_envs_per_worker // 2
+    if args.batch_size % slot_steps:
+        fail(f"--batch-size ({args.batch_size}) must be a multiple of rollout * num_envs_per_worker / 2 = {slot_steps}")
+    if args.extrinsic_coef is None:
+        args.extrinsic_coef = 0.1 if args.task.startswith("NetHackScore") else 10.0
+    if args.run_dir is None:
+        args.run_dir = os.path.join("runs", f"{args.task.split('Extended')[0]}__{args.reward_type}__{args.seed}__{int(time.time())}")
+    return args
+
+
+def pick_device(name):
+    name = ("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name
+    try:
+        torch.empty(1, device=name)
+    except Exception as error:
+        fail(f"cannot use device {name!r}: {str(error).splitlines()[0]}")
+    return torch.device(name)
+
+
+# ---------------------------------------- policy ----------------------------------------------------------
+
+
+CROP = 12  # the paper's crop of the map around the agent
 
 
 def layer_init(layer, std=np.sqrt(2), bias=0.0):
@@ -216,6 +257,27 @@ class Agent(nn.Module):
         return self.actor(out := torch.stack(outputs)), self.critic(out).squeeze(-1)
 
 
+# ---------------------------------------- V-trace and loss ------------------------------------------------
+
+
+class End(enum.IntEnum):
+    """Per-transition end codes in the rollout buffers."""
+    RUNNING = 0
+    TERMINATED = 1  # death or success: the return is cut, the next observation starts a new episode
+    TRUNCATED = 2  # time limit: bootstrapped from its last observation, which obs t+1 shows
+    RESET = 3  # the step after a truncation only reset the env: no transition of the policy
+
+
+def episode_cut(end):
+    """Transitions after which the next observation starts a new episode (numpy: ints, an IntEnum costs it ~4x)."""
+    return (end == End.TERMINATED.value) | (end == End.RESET.value)
+
+
+def carry_state(h, end):
+    """The GRU state [..., hidden] the next observation starts from: zeroed after an episode's end."""
+    return h * ~episode_cut(end).to(h.device)[..., None]
+
+
 def vtrace(rewards, values, bootstrap, discounts, rhos, cs):
     """V-trace targets (Espeholt et al. 2018, eq. 1), recursively. rewards, discounts, rhos, cs, values: [T, B];
     bootstrap: V(x_T) [B]. Returns vs [T, B] and the advantages rho_t (r_t + discount_t vs_{t+1} - V_t)."""
@@ -260,6 +322,12 @@ def appo_loss(agent, batch, rewards, args):
                   "clip_fraction": (((ratio < low) | (ratio > high)).float() * valid).sum().item() / n.item()}
 
 
+# ---------------------------------------- env workers -----------------------------------------------------
+
+
+OBS_FIELDS = ("chars", "colors", "blstats", "message")
+
+
 def make_buffers(num_buffers, rollout, n):
     """Rollout buffers in shared memory, indexed [buffer, t, env of the slot]."""
     def shared(*shape, dtype):
@@ -275,9 +343,6 @@ def make_buffers(num_buffers, rollout, n):
         "logprob": shared(rollout, n, dtype=torch.float32), "reward": shared(rollout, n, dtype=torch.float32),
         "end": shared(rollout, n, dtype=torch.int8), "version": shared(rollout, dtype=torch.int64),
         "h0": shared(n, 512, dtype=torch.float32)}
-
-
-OBS_FIELDS = ("chars", "colors", "blstats", "message")
 
 
 def env_worker(index, task, seed, num_envs, buffers, conn, max_episode_steps=envs.MAX_EPISODE_STEPS):
@@ -325,191 +390,10 @@ def env_worker(index, task, seed, num_envs, buffers, conn, max_episode_steps=env
         env.close()
 
 
-def add_intrinsic_episodes(totals, finished, paid, end, env_ids):
-    """paid (R / N^beta), end: [T, B]: rollouts side by side, each env's in time order (one env may have two); env_ids:
-    [B]. Sums each env's episode in totals [envs, 3]; at its end, its intrinsic return and rewarded share go to finished."""
-    order = np.argsort(env_ids, kind="stable")  # one run of steps per env, in time order: a segmented sum
-    paid, end = paid.cpu().numpy()[:, order].T.ravel().astype(np.float64), end.cpu().numpy()[:, order].T.ravel()
-    env = np.repeat(env_ids[order], len(end) // len(order))
-    steps = np.stack([paid, paid != 0, np.ones_like(paid)], 1) * (end != End.RESET)[:, None]  # a reset step: none
-    first, last = np.r_[True, env[1:] != env[:-1]], np.r_[env[1:] != env[:-1], True]
-    steps[first] += totals[env[first]] * (end[first] != End.RESET)[:, None]  # episodes in progress go on
-    done = (end == End.TERMINATED) | (end == End.TRUNCATED)
-    starts = np.flatnonzero(first | (end == End.RESET) | np.r_[False, done[:-1]])  # a reset drops its episode
-    sums, ends = np.add.reduceat(steps, starts), np.r_[starts[1:], len(end)] - 1
-    totals[env[first]], going_on = 0.0, last[ends] & ~done[ends]
-    totals[env[ends[going_on]]] = sums[going_on]
-    for i, (total, rewarded, n) in zip(ends[done[ends]], sums[done[ends]]):
-        finished[env[i]].append({"intrinsic_return": total, "intrinsic_rewarded_fraction": rewarded / n})
+# ---------------------------------------- acting process --------------------------------------------------
 
 
-def join_episodes(pending, finished, final=False):
-    """Workers' episodes joined with the learner's intrinsic totals of them (per env, both in order); final: all."""
-    out = []
-    for worker_episodes, learner_episodes in zip(pending, finished):
-        while worker_episodes and (learner_episodes or final):
-            out.append({**worker_episodes.popleft(), **(learner_episodes.popleft() if learner_episodes else {})})
-    return sorted(out, key=lambda e: e["env_steps"])
-
-
-SAFE = {str, int, float, bool, type(None), torch.Tensor}  # and dicts, lists, tuples: what weights_only reads
-KEYS = ("model", "args", "counters")  # dicts in every checkpoint of oni_appo.py
-
-
-def plain(value):
-    """value in the types torch.load(weights_only=True) reads, so that a checkpoint cannot run code: numpy
-    arrays as tensors, numpy numbers as Python's, other mappings (a Counter) as dicts; TypeError on anything
-    else. Their readers take them back as they took the originals (np.asarray a tensor, Counter a dict)."""
-    if type(value) in SAFE or isinstance(value, torch.Tensor):
-        return value
-    if isinstance(value, np.ndarray):
-        return torch.from_numpy(value)
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, dict):  # kept whole when plain already: a module's state_dict keeps its _metadata
-        if type(value) in (dict, collections.OrderedDict) and {*map(type, (*value, *value.values()))} <= SAFE:
-            return value
-        return {plain(k): plain(v) for k, v in value.items()}
-    if isinstance(value, tuple | list):
-        if type(value) in (tuple, list) and {*map(type, value)} <= SAFE:  # fast for a million texts
-            return value
-        return tuple(map(plain, value)) if isinstance(value, tuple) else list(map(plain, value))
-    raise TypeError(f"a checkpoint cannot hold a {type(value).__name__}")
-
-
-def write_checkpoint(state, path):
-    torch.save(plain(state), path + ".tmp")
-    os.replace(path + ".tmp", path)  # never leave a half-written checkpoint
-
-
-def read_checkpoint(path, trust=False):
-    """A checkpoint file's contents, read with weights_only=True: a shared one cannot run code. One that
-    needs pickle (written before checkpoints held plain values only, or crafted) is refused, unless trust:
-    then it is read with pickle once and rewritten in the safe format. Else a one-line error."""
-    try:
-        with warnings.catch_warnings(action="ignore"):  # torch's on a foreign pickle: the error says enough
-            return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:
-        if (unsafe := re.search(r"Unsupported global: GLOBAL (\S+)", str(error))) is None:
-            fail(f"cannot read checkpoint {path} (cut short, or not a checkpoint): {load_error(error)}")
-        if not trust:
-            fail(f"{path} needs pickle to load ({unsafe[1]}), which can run any code it holds; "
-                 "if you trust it (an older checkpoint of this project), load it once with "
-                 "--trust-checkpoint, which rewrites it in the safe format")
-    try:
-        checkpoint = plain(torch.load(path, map_location="cpu", weights_only=False))  # the flag trusts it
-    except Exception as error:
-        fail(f"cannot read checkpoint {path} with pickle: {load_error(error)}")
-    write_checkpoint(checkpoint, path)
-    print(f"--trust-checkpoint: read {path} with pickle and rewrote it in the safe format", file=sys.stderr)
-    return checkpoint
-
-
-def load_error(error) -> str:
-    """torch's reason in one line: its first sentence (what follows advises pickle or repeats)."""
-    line = (str(error).splitlines() or [""])[0]
-    return ": ".join(filter(None, (type(error).__name__, re.split(r"(?<=\w)\. ", line)[0])))
-
-
-def load_checkpoint(path, agent=None, trust=False):
-    """(file, checkpoint, its Args) of a checkpoint file or run dir, the policy into agent; else a one-line
-    error. trust: one that needs pickle is read with it and rewritten safe (see read_checkpoint)."""
-    path = os.path.join(path, "checkpoint.pt") if os.path.isdir(path) else path
-    if not os.path.isfile(path):
-        fail(f"no checkpoint at {path}")
-    checkpoint = read_checkpoint(path, trust)
-    if not isinstance(checkpoint, dict) or not all(isinstance(checkpoint.get(k), dict) for k in KEYS):
-        fail(f"{path} is not a checkpoint of oni_appo.py")
-    known = {f.name for f in dataclasses.fields(Args)}  # a flag removed since (--eval went to evaluate.py) is dropped
-    saved = Args(**{k: v for k, v in checkpoint["args"].items() if k in known})
-    try:
-        if agent is not None:
-            agent.load_state_dict(checkpoint["model"])
-    except RuntimeError as error:
-        fail(f"checkpoint {path} does not match this policy: {str(error).splitlines()[1].strip()}")
-    return path, checkpoint, saved
-
-
-def given_flags(argv) -> set[str]:
-    """The Args fields named on the command line (--a-b, --a_b, --a=v, --no-a), whatever their values: a resume
-    must apply `--num-workers 2` even where 2 is the default, and `--llm-url` with no URL (back to the embedded server)."""
-    names = {f.name for f in dataclasses.fields(Args)}
-    flags = {token[2:].split("=", 1)[0].replace("-", "_") for token in argv if token.startswith("--")}
-    return {name if name in names else name.removeprefix("no_") for name in flags} & names
-
-
-def parse_args(argv=None) -> Args:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    args = tyro.cli(Args, args=argv)
-    args.demos = args.demos and os.path.abspath(args.demos)  # a resume from elsewhere finds it
-    if args.resume is not None:
-        path, _, saved = load_checkpoint(args.resume, trust=args.trust_checkpoint)
-        for name in sorted(given_flags(argv) - {"resume", "run_dir"}):
-            if name in RESUME_OVERRIDES:
-                setattr(saved, name, getattr(args, name))
-            else:
-                print(f"--resume: ignoring --{name.replace('_', '-')}; the run keeps its saved value", file=sys.stderr)
-        saved.resume, saved.run_dir = path, os.path.dirname(path)
-        args = saved
-    if args.task not in envs.TASKS:
-        fail(f"unknown task {args.task!r}; known tasks: {', '.join(envs.TASKS)}")
-    if args.reward_type not in reward_models.REWARD_TYPES:
-        fail(f"unknown reward type {args.reward_type!r}; choose one of {', '.join(reward_models.REWARD_TYPES)}")
-    gpu = torch.cuda.is_available() if args.device == "auto" else args.device.startswith("cuda")  # README: Performance
-    for name, value in dict(num_workers=max(1, (os.cpu_count() or 1) - 2 * gpu), num_envs_per_worker=64 if gpu else 16,
-                            batch_size=4096 if gpu else 1024).items():  # a resumed run has its own (not None)
-        setattr(args, name, value if getattr(args, name) is None else getattr(args, name))
-    if min(args.num_workers, args.rollout, args.batch_size, args.num_envs_per_worker - 1) < 1 or args.num_envs_per_worker % 2:
-        fail("need --num-workers, --rollout, --batch-size >= 1 and an even --num-envs-per-worker >= 2")
-    if args.max_episode_steps < 1 or (args.llm_threads is not None and args.llm_threads < 1) or not 0 < args.reward_model_share <= 1:
-        fail("need --max-episode-steps >= 1, --llm-threads >= 1 and 0 < --reward-model-share <= 1")
-    slot_steps = args.rollout * args.num_envs_per_worker // 2
-    if args.batch_size % slot_steps:
-        fail(f"--batch-size ({args.batch_size}) must be a multiple of rollout * num_envs_per_worker / 2 = {slot_steps}")
-    if args.extrinsic_coef is None:
-        args.extrinsic_coef = 0.1 if args.task.startswith("NetHackScore") else 10.0
-    if args.run_dir is None:
-        args.run_dir = os.path.join("runs", f"{args.task.split('Extended')[0]}__{args.reward_type}__{args.seed}__{int(time.time())}")
-    return args
-
-
-def git_state(root=os.path.dirname(os.path.abspath(__file__))):
-    """(commit, whether tracked files have uncommitted changes) of the code in `root`; "unknown" where there
-    is no git or no repository. Untracked files do not count: results/ holds runs being written."""
-    try:
-        def git(*argv):
-            return subprocess.run(["git", *argv], cwd=root, capture_output=True, text=True, timeout=60,
-                                   check=True).stdout.strip()
-        return git("rev-parse", "HEAD"), bool(git("status", "--porcelain", "--untracked-files=no"))
-    except (OSError, subprocess.SubprocessError):
-        return "unknown", "unknown"
-
-
-def run_record(args) -> dict:
-    """What made this session of the run: the code, the resolved flags and, where the reward asks an LLM, the
-    demonstration pool and the servers asked (finish() adds the model they answered as, the embedded URL)."""
-    commit, dirty = git_state()
-    record = {"started": time.strftime("%Y-%m-%d %H:%M:%S %z"), "commit": commit,
-              "uncommitted_changes": dirty, "flags": dataclasses.asdict(args)}
-    if args.reward_type in reward_models.NEEDS_LLM:
-        record.update(demonstrations=annotator.demos_record(args.demos),
-                      llm={"urls": args.llm_url or "embedded", "model": args.llm_model or "the first listed"})
-    return record
-
-
-def rewrite(path, lines):  # atomically: a crash now must not lose the file
-    with open(path + ".tmp", "w") as f:
-        f.writelines(lines)
-    os.replace(path + ".tmp", path)
-
-
-def pick_device(name):
-    name = ("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name
-    try:
-        torch.empty(1, device=name)
-    except Exception as error:
-        fail(f"cannot use device {name!r}: {str(error).splitlines()[0]}")
-    return torch.device(name)
+LOCK_WAIT_S = 10.0  # a copy of the weights takes ~1 ms: a lock held this long is held by a process that died
 
 
 class SharedWeights:
@@ -535,133 +419,17 @@ class SharedWeights:
         return version
 
 
-@dataclass
-class Run:
-    """The learner's side of training, this process. The acting process (Acting) shares with it the rollout buffers,
-    the weights, the stop and two pipes: full rollouts to the learner, free buffers back; each has its own GIL."""
-    args: Args
-    device: torch.device
-    agent: Agent
-    optimizer: torch.optim.Optimizer
-    intrinsic: reward_models.IntrinsicReward
-    client: annotator.LabelClient | None  # the annotator's: label requests out, labels in
-    writer: object  # tensorboard's SummaryWriter; wandb syncs from it with --track
-    counters: dict  # env_steps (collected: the acting process's count), updates (= the policy version), episodes
-    saved_totals: dict  # the run's totals up to the checkpoint it resumed from (run_totals adds this session's)
-    sessions: list  # run_record() of each session, this one last
-    updates: collections.deque = field(default_factory=collections.deque)  # figures of each update, for the log
-    losses: dict = field(default_factory=dict)
-    sums: collections.Counter = field(default_factory=collections.Counter)  # this session's learner sums, see learn()
-    failure: str | None = None  # a fatal LLM error, an env worker or the acting process gone: saved, then said
-    ended: bool = False  # nothing more comes from the acting process: its "end" was read, or its pipe closed
-    start_time: float = field(default_factory=time.time)  # train() sets it again once the acting process runs
-    stop: object = field(default_factory=lambda: mp.get_context("spawn").RawValue("b", 0))  # .value: set by either
-
-    def __post_init__(self):
-        args = self.args
-        num_slots, num_envs = 2 * args.num_workers, args.num_workers * args.num_envs_per_worker
-        self.envs_per_slot = args.num_envs_per_worker // 2  # a slot is one half of a worker's envs, stepped together
-        self.buffers_per_batch = args.batch_size // (args.rollout * self.envs_per_slot)
-        # slots in flight + one batch, which fills while the learner learns; more would only add policy lag
-        self.buffers = make_buffers(num_slots + self.buffers_per_batch, args.rollout, self.envs_per_slot)
-        self.weights = SharedWeights(self.agent, self.counters["updates"])
-        (self.full, self.full_out), (self.free_in, self.free) = mp.Pipe(duplex=False), mp.Pipe(duplex=False)
-        self.free.send(list(range(num_slots, len(self.buffers["h0"]))))  # slot s starts in buffer s
-        self.acting = mp.get_context("spawn").Process(target=act_process, args=(  # not a daemon: it starts the workers
-            args, self.buffers, self.weights, self.full_out, self.free_in, self.stop, self.counters["env_steps"]))
-        self.start_steps, self.start_learned = self.counters["env_steps"], self.counters["updates"] * args.batch_size
-        # per env, the workers' finished episodes and the learner's intrinsic totals of them, joined in the log
-        self.pending, self.finished = ([collections.deque() for _ in range(num_envs)] for _ in range(2))
-        self.intrinsic_totals = np.zeros((num_envs, 3))  # of the episodes in progress
-
-
-def train(args):
-    run = set_up(args)
-    start_acting(run)
-    run.start_time = time.time()
-    print(f"training {args.task} with reward {args.reward_type}: {args.num_workers} workers x "
-          f"{args.num_envs_per_worker} envs on {run.device}; run dir {args.run_dir}", flush=True)
-    try:
-        learn(run)
-    except SystemExit as error:  # a fatal LLM error: saved and said by finish()
-        run.failure = str(error).removeprefix("error: ")
+def act_process(*shared):
+    """The acting process (shared: Acting's arguments): it acts for the ready slots, hands full rollouts over."""
+    torch.set_num_threads(1)  # its CPU ops are small: more threads only wake each other (README: Performance)
+    run = Acting(*shared)
+    conns, workers = start_workers(run)
+    try:  # an exception prints its traceback; the learner, sent an end it did not ask for, stops the run
+        collect(run, conns)
     finally:
-        end_acting(run)
-        if run.client is not None:
-            run.client.close()
-        run.intrinsic.close()
-    return finish(run)
-
-
-def set_up(args) -> Run:
-    os.makedirs(args.run_dir, exist_ok=True)
-    sessions = [run_record(args)]
-    print(f"run record: {json.dumps(sessions[0])}", flush=True)  # first: a console.log opens with it
-    np.random.seed(args.seed)
-    torch.manual_seed(args.seed)
-    device = pick_device(args.device)
-    agent = Agent().to(device)
-    optimizer = torch.optim.Adam(agent.parameters(), lr=args.lr, eps=1e-5)
-    counters, saved_totals = {"env_steps": 0, "updates": 0, "episodes": 0}, {}
-    intrinsic = reward_models.IntrinsicReward(args, device)
-    if args.resume:
-        _, checkpoint, _ = load_checkpoint(args.resume, agent)
-        optimizer.load_state_dict(checkpoint["optimizer"])
-        counters.update(checkpoint["counters"])
-        saved_totals, sessions = checkpoint.get("totals", {}), checkpoint.get("sessions", []) + sessions
-        episodes = os.path.join(args.run_dir, "episodes.jsonl")
-        if os.path.exists(episodes):  # the steps after the checkpoint are played again: so are their episodes
-            with open(episodes) as f:
-                kept = [e for e in f if e.endswith("\n") and json.loads(e).get("env_steps", 0) <= counters["env_steps"]]
-            rewrite(episodes, kept)
-            counters["episodes"] = len(kept)
-        labels = os.path.join(args.run_dir, annotator.LABELS_FILE)
-        if os.path.exists(labels):  # the labels so far come back from the run's file, not asked again
-            intrinsic.add_labels(records := annotator.read_labels(labels))
-            rewrite(labels, [json.dumps(r) + "\n" for r in records])  # whole lines only: the annotator appends
-        intrinsic.load_state_dict(checkpoint.get("intrinsic", {}))
-        print(f"resumed from {args.resume} at {counters['env_steps']:,} env steps")
-    client = annotator.LabelClient(args) if args.reward_type in reward_models.NEEDS_LLM else None
-    from torch.utils.tensorboard import SummaryWriter
-    if args.track:
-        try:
-            import wandb
-        except ImportError:
-            fail("--track needs wandb: pip install wandb")
-        wandb.init(project=args.wandb_project, config=dataclasses.asdict(args), sync_tensorboard=True,
-                   name=os.path.basename(args.run_dir), dir=args.run_dir, resume="allow")
-    writer = SummaryWriter(args.run_dir)
-    writer.add_text("args", "\n".join(f"{k}: {v}" for k, v in dataclasses.asdict(args).items()))
-    if client is not None:  # the annotator subprocess and, without --llm-url, the embedded server
-        client.start(args.run_dir, known=intrinsic.known_keys())
-    intrinsic.start(args.reward_model_share)
-    return Run(args, device, agent, optimizer, intrinsic, client, writer, counters, saved_totals, sessions)
-
-
-def start_acting(run):
-    """Starts the acting process ignoring Ctrl-C and SIGTERM, as its env workers then do (both reach the whole group
-    from a terminal or a scheduler): this process alone stops them, with the stop flag, at an update's end."""
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, signal.SIG_IGN)  # inherited at the spawn: no child dies mid-import either
-    run.acting.start()
-    run.full_out.close()  # its end of the pipe is the acting process's alone now: the pipe closes when that dies
-
-    def request_stop(signum, frame):
-        if run.stop.value:
-            raise KeyboardInterrupt
-        print(f"\nsignal {signum}: stopping, saving a checkpoint (again to abort)", flush=True)
-        run.stop.value = 1
-    signal.signal(signal.SIGINT, request_stop)
-    signal.signal(signal.SIGTERM, request_stop)
-
-
-def end_acting(run):
-    """Stops the acting process; its last message brings the steps and episodes of its last moments."""
-    run.stop.value, deadline = 1, time.time() + 60
-    while not run.ended and time.time() < deadline:
-        next_message(run, 0.1)
-    run.acting.join(timeout=10)
-    run.acting.kill()  # wedged (a no-op for one that ended)
+        stop_workers(conns, workers)
+        with contextlib.suppress(OSError):  # the learner is gone (kill -9)
+            run.full.send(("end", None, run.episodes, run.env_steps))
 
 
 class Acting:
@@ -681,19 +449,6 @@ class Acting:
         self.samplers = [np.random.default_rng(args.seed * 1_000_003 + 7919 * s + self.version) for s in range(num_slots)]
 
 
-def act_process(*shared):
-    """The acting process (shared: Acting's arguments): it acts for the ready slots, hands full rollouts over."""
-    torch.set_num_threads(1)  # its CPU ops are small: more threads only wake each other (README: Performance)
-    run = Acting(*shared)
-    conns, workers = start_workers(run)
-    try:  # an exception prints its traceback; the learner, sent an end it did not ask for, stops the run
-        collect(run, conns)
-    finally:
-        stop_workers(conns, workers)
-        with contextlib.suppress(OSError):  # the learner is gone (kill -9)
-            run.full.send(("end", None, run.episodes, run.env_steps))
-
-
 def start_workers(run):
     """One process per worker, each stepping its envs into the shared buffers on command."""
     args, ctx, conns, workers = run.args, mp.get_context("spawn"), [], []
@@ -707,15 +462,6 @@ def start_workers(run):
     for s in range(len(run.slot_buffer)):  # every slot resets its envs into its first buffer
         conns[s // 2].send((s % 2, run.slot_buffer[s], -1))
     return conns, workers
-
-
-def stop_workers(conns, workers):
-    for conn in conns:
-        with contextlib.suppress(OSError):  # a dead worker's pipe is broken
-            conn.send(None)
-    for proc in workers:
-        proc.join(timeout=5)
-        proc.kill()  # if still alive (a no-op for one that ended); it ignores SIGTERM (start_acting)
 
 
 def collect(run, conns):
@@ -792,6 +538,141 @@ def act(run, conns, slots):
     run.env_steps += len(slots) * n
 
 
+def stop_workers(conns, workers):
+    for conn in conns:
+        with contextlib.suppress(OSError):  # a dead worker's pipe is broken
+            conn.send(None)
+    for proc in workers:
+        proc.join(timeout=5)
+        proc.kill()  # if still alive (a no-op for one that ended); it ignores SIGTERM (start_acting)
+
+
+# ---------------------------------------- learner ---------------------------------------------------------
+
+
+TORCH_THREADS = torch.get_num_threads()  # the learner's, read before any thread changes the default
+
+
+def train(args):
+    run = set_up(args)
+    start_acting(run)
+    run.start_time = time.time()
+    print(f"training {args.task} with reward {args.reward_type}: {args.num_workers} workers x "
+          f"{args.num_envs_per_worker} envs on {run.device}; run dir {args.run_dir}", flush=True)
+    try:
+        learn(run)
+    except SystemExit as error:  # a fatal LLM error: saved and said by finish()
+        run.failure = str(error).removeprefix("error: ")
+    finally:
+        end_acting(run)
+        if run.client is not None:
+            run.client.close()
+        run.intrinsic.close()
+    return finish(run)
+
+
+@dataclass
+class Run:
+    """The learner's side of training, this process. The acting process (Acting) shares with it the rollout buffers,
+    the weights, the stop and two pipes: full rollouts to the learner, free buffers back; each has its own GIL."""
+    args: Args
+    device: torch.device
+    agent: Agent
+    optimizer: torch.optim.Optimizer
+    intrinsic: reward_models.IntrinsicReward
+    client: annotator.LabelClient | None  # the annotator's: label requests out, labels in
+    writer: object  # tensorboard's SummaryWriter; wandb syncs from it with --track
+    counters: dict  # env_steps (collected: the acting process's count), updates (= the policy version), episodes
+    saved_totals: dict  # the run's totals up to the checkpoint it resumed from (run_totals adds this session's)
+    sessions: list  # run_record() of each session, this one last
+    updates: collections.deque = field(default_factory=collections.deque)  # figures of each update, for the log
+    losses: dict = field(default_factory=dict)
+    sums: collections.Counter = field(default_factory=collections.Counter)  # this session's learner sums, see learn()
+    failure: str | None = None  # a fatal LLM error, an env worker or the acting process gone: saved, then said
+    ended: bool = False  # nothing more comes from the acting process: its "end" was read, or its pipe closed
+    start_time: float = field(default_factory=time.time)  # train() sets it again once the acting process runs
+    stop: object = field(default_factory=lambda: mp.get_context("spawn").RawValue("b", 0))  # .value: set by either
+
+    def __post_init__(self):
+        args = self.args
+        num_slots, num_envs = 2 * args.num_workers, args.num_workers * args.num_envs_per_worker
+        self.envs_per_slot = args.num_envs_per_worker // 2  # a slot is one half of a worker's envs, stepped together
+        self.buffers_per_batch = args.batch_size // (args.rollout * self.envs_per_slot)
+        # slots in flight + one batch, which fills while the learner learns; more would only add policy lag
+        self.buffers = make_buffers(num_slots + self.buffers_per_batch, args.rollout, self.envs_per_slot)
+        self.weights = SharedWeights(self.agent, self.counters["updates"])
+        (self.full, self.full_out), (self.free_in, self.free) = mp.Pipe(duplex=False), mp.Pipe(duplex=False)
+        self.free.send(list(range(num_slots, len(self.buffers["h0"]))))  # slot s starts in buffer s
+        self.acting = mp.get_context("spawn").Process(target=act_process, args=(  # not a daemon: it starts the workers
+            args, self.buffers, self.weights, self.full_out, self.free_in, self.stop, self.counters["env_steps"]))
+        self.start_steps, self.start_learned = self.counters["env_steps"], self.counters["updates"] * args.batch_size
+        # per env, the workers' finished episodes and the learner's intrinsic totals of them, joined in the log
+        self.pending, self.finished = ([collections.deque() for _ in range(num_envs)] for _ in range(2))
+        self.intrinsic_totals = np.zeros((num_envs, 3))  # of the episodes in progress
+
+
+def set_up(args) -> Run:
+    os.makedirs(args.run_dir, exist_ok=True)
+    sessions = [run_record(args)]
+    print(f"run record: {json.dumps(sessions[0])}", flush=True)  # first: a console.log opens with it
+    np.random.seed(args.seed)
+    torch.manual_seed(args.seed)
+    device = pick_device(args.device)
+    agent = Agent().to(device)
+    optimizer = torch.optim.Adam(agent.parameters(), lr=args.lr, eps=1e-5)
+    counters, saved_totals = {"env_steps": 0, "updates": 0, "episodes": 0}, {}
+    intrinsic = reward_models.IntrinsicReward(args, device)
+    if args.resume:
+        _, checkpoint, _ = load_checkpoint(args.resume, agent)
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        counters.update(checkpoint["counters"])
+        saved_totals, sessions = checkpoint.get("totals", {}), checkpoint.get("sessions", []) + sessions
+        episodes = os.path.join(args.run_dir, "episodes.jsonl")
+        if os.path.exists(episodes):  # the steps after the checkpoint are played again: so are their episodes
+            with open(episodes) as f:
+                kept = [e for e in f if e.endswith("\n") and json.loads(e).get("env_steps", 0) <= counters["env_steps"]]
+            rewrite(episodes, kept)
+            counters["episodes"] = len(kept)
+        labels = os.path.join(args.run_dir, annotator.LABELS_FILE)
+        if os.path.exists(labels):  # the labels so far come back from the run's file, not asked again
+            intrinsic.add_labels(records := annotator.read_labels(labels))
+            rewrite(labels, [json.dumps(r) + "\n" for r in records])  # whole lines only: the annotator appends
+        intrinsic.load_state_dict(checkpoint.get("intrinsic", {}))
+        print(f"resumed from {args.resume} at {counters['env_steps']:,} env steps")
+    client = annotator.LabelClient(args) if args.reward_type in reward_models.NEEDS_LLM else None
+    from torch.utils.tensorboard import SummaryWriter
+    if args.track:
+        try:
+            import wandb
+        except ImportError:
+            fail("--track needs wandb: pip install wandb")
+        wandb.init(project=args.wandb_project, config=dataclasses.asdict(args), sync_tensorboard=True,
+                   name=os.path.basename(args.run_dir), dir=args.run_dir, resume="allow")
+    writer = SummaryWriter(args.run_dir)
+    writer.add_text("args", "\n".join(f"{k}: {v}" for k, v in dataclasses.asdict(args).items()))
+    if client is not None:  # the annotator subprocess and, without --llm-url, the embedded server
+        client.start(args.run_dir, known=intrinsic.known_keys())
+    intrinsic.start(args.reward_model_share)
+    return Run(args, device, agent, optimizer, intrinsic, client, writer, counters, saved_totals, sessions)
+
+
+def start_acting(run):
+    """Starts the acting process ignoring Ctrl-C and SIGTERM, as its env workers then do (both reach the whole group
+    from a terminal or a scheduler): this process alone stops them, with the stop flag, at an update's end."""
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_IGN)  # inherited at the spawn: no child dies mid-import either
+    run.acting.start()
+    run.full_out.close()  # its end of the pipe is the acting process's alone now: the pipe closes when that dies
+
+    def request_stop(signum, frame):
+        if run.stop.value:
+            raise KeyboardInterrupt
+        print(f"\nsignal {signum}: stopping, saving a checkpoint (again to abort)", flush=True)
+        run.stop.value = 1
+    signal.signal(signal.SIGINT, request_stop)
+    signal.signal(signal.SIGTERM, request_stop)
+
+
 def learn(run):
     """Batches of full rollouts -> rewards (extrinsic + intrinsic) -> one APPO update -> the new weights to the acting
     process; then the new LLM labels go in. Logs and checkpoints come between two updates, so checkpoints see whole
@@ -825,6 +706,17 @@ def learn(run):
             last_checkpoint = now
 
 
+def next_batch(run):
+    """The (buffer, slot) of the next buffers_per_batch full rollouts; None once stopped or every step is learned."""
+    rollouts = []
+    while len(rollouts) < run.buffers_per_batch:
+        if run.stop.value or learned_steps(run) >= run.args.total_env_steps:
+            return None
+        if (message := next_message(run, 0.5))[0] == "rollout":
+            rollouts.append(message[1])
+    return rollouts
+
+
 def next_message(run, timeout):
     """The acting process's next message (kind, what) or (None, None); steps, episodes noted; a failure stops."""
     if not run.full.poll(timeout):
@@ -842,17 +734,6 @@ def next_message(run, timeout):
         run.failure = run.failure or what or "the acting process failed (its traceback is above)"
         run.stop.value = 1
     return kind, what
-
-
-def next_batch(run):
-    """The (buffer, slot) of the next buffers_per_batch full rollouts; None once stopped or every step is learned."""
-    rollouts = []
-    while len(rollouts) < run.buffers_per_batch:
-        if run.stop.value or learned_steps(run) >= run.args.total_env_steps:
-            return None
-        if (message := next_message(run, 0.5))[0] == "rollout":
-            rollouts.append(message[1])
-    return rollouts
 
 
 def take_batch(run, rollouts):
@@ -884,30 +765,43 @@ def learned_steps(run) -> int:
     return run.counters["updates"] * run.args.batch_size
 
 
-def run_totals(run, llm) -> dict:
-    """The whole run's sums over any number of resumes: the checkpoint's plus this session's (the learner's sums, its
-    wall time and steps learned, the counts in the annotator's stats `llm`, which start at 0 in each session)."""
-    session = dict(run.sums, wall_time_s=time.time() - run.start_time, learned_steps=learned_steps(run) - run.start_learned,
-                   **{f"llm_{k}": llm.get(k, 0) for k in LLM_COUNTS})
-    totals = {k: run.saved_totals.get(k, 0) + session.get(k, 0) for k in {*run.saved_totals, *session} - {"max_reward"}}
-    totals["max_reward"] = max(run.saved_totals.get("max_reward", -math.inf), run.sums.get("max_reward", -math.inf))
-    return totals
+def end_acting(run):
+    """Stops the acting process; its last message brings the steps and episodes of its last moments."""
+    run.stop.value, deadline = 1, time.time() + 60
+    while not run.ended and time.time() < deadline:
+        next_message(run, 0.1)
+    run.acting.join(timeout=10)
+    run.acting.kill()  # wedged (a no-op for one that ended)
 
 
-def save(run):
-    totals = run_totals(run, run.client.stats() if run.client is not None else {})
-    state = dict(model=run.agent.state_dict(), optimizer=run.optimizer.state_dict(),  # a resume collects again
-                 counters=dict(run.counters, env_steps=learned_steps(run)),  # what was not learned
-                 args=dataclasses.asdict(run.args), intrinsic=run.intrinsic.state_dict(), totals=totals,
-                 sessions=run.sessions)
-    write_checkpoint(state, os.path.join(run.args.run_dir, "checkpoint.pt"))
-    return totals
+# ---------------------------------------- checkpoints and logs --------------------------------------------
 
 
-def add_scalars(writer, prefix, values, step):
-    for k, v in values.items():
-        if isinstance(v, (int, float)):  # not the annotator's "fatal" line: that ends the run
-            writer.add_scalar(f"{prefix}/{k}", v, step)
+def add_intrinsic_episodes(totals, finished, paid, end, env_ids):
+    """paid (R / N^beta), end: [T, B]: rollouts side by side, each env's in time order (one env may have two); env_ids:
+    [B]. Sums each env's episode in totals [envs, 3]; at its end, its intrinsic return and rewarded share go to finished."""
+    order = np.argsort(env_ids, kind="stable")  # one run of steps per env, in time order: a segmented sum
+    paid, end = paid.cpu().numpy()[:, order].T.ravel().astype(np.float64), end.cpu().numpy()[:, order].T.ravel()
+    env = np.repeat(env_ids[order], len(end) // len(order))
+    steps = np.stack([paid, paid != 0, np.ones_like(paid)], 1) * (end != End.RESET)[:, None]  # a reset step: none
+    first, last = np.r_[True, env[1:] != env[:-1]], np.r_[env[1:] != env[:-1], True]
+    steps[first] += totals[env[first]] * (end[first] != End.RESET)[:, None]  # episodes in progress go on
+    done = (end == End.TERMINATED) | (end == End.TRUNCATED)
+    starts = np.flatnonzero(first | (end == End.RESET) | np.r_[False, done[:-1]])  # a reset drops its episode
+    sums, ends = np.add.reduceat(steps, starts), np.r_[starts[1:], len(end)] - 1
+    totals[env[first]], going_on = 0.0, last[ends] & ~done[ends]
+    totals[env[ends[going_on]]] = sums[going_on]
+    for i, (total, rewarded, n) in zip(ends[done[ends]], sums[done[ends]]):
+        finished[env[i]].append({"intrinsic_return": total, "intrinsic_rewarded_fraction": rewarded / n})
+
+
+def join_episodes(pending, finished, final=False):
+    """Workers' episodes joined with the learner's intrinsic totals of them (per env, both in order); final: all."""
+    out = []
+    for worker_episodes, learner_episodes in zip(pending, finished):
+        while worker_episodes and (learner_episodes or final):
+            out.append({**worker_episodes.popleft(), **(learner_episodes.popleft() if learner_episodes else {})})
+    return sorted(out, key=lambda e: e["env_steps"])
 
 
 def log_progress(run, episodes, now):
@@ -934,6 +828,145 @@ def log_progress(run, episodes, now):
               f"backlog {llm.get('backlog', 0):,}") if llm else ""
     print(f"steps {steps:>13,} | {sps:8,.0f} steps/s | episodes {run.counters['episodes']:>7,} | return {mean_return} | "
           f"lag {lag_mean:4.1f}/{lag_max:<3d} | updates {run.counters['updates']:,}{labels}", flush=True)
+
+
+def add_scalars(writer, prefix, values, step):
+    for k, v in values.items():
+        if isinstance(v, (int, float)):  # not the annotator's "fatal" line: that ends the run
+            writer.add_scalar(f"{prefix}/{k}", v, step)
+
+
+LLM_COUNTS = ("requests", "labels", "failures", "parse_failures", "dropped", "restarts")  # summed over resumes
+
+
+def save(run):
+    totals = run_totals(run, run.client.stats() if run.client is not None else {})
+    state = dict(model=run.agent.state_dict(), optimizer=run.optimizer.state_dict(),  # a resume collects again
+                 counters=dict(run.counters, env_steps=learned_steps(run)),  # what was not learned
+                 args=dataclasses.asdict(run.args), intrinsic=run.intrinsic.state_dict(), totals=totals,
+                 sessions=run.sessions)
+    write_checkpoint(state, os.path.join(run.args.run_dir, "checkpoint.pt"))
+    return totals
+
+
+def run_totals(run, llm) -> dict:
+    """The whole run's sums over any number of resumes: the checkpoint's plus this session's (the learner's sums, its
+    wall time and steps learned, the counts in the annotator's stats `llm`, which start at 0 in each session)."""
+    session = dict(run.sums, wall_time_s=time.time() - run.start_time, learned_steps=learned_steps(run) - run.start_learned,
+                   **{f"llm_{k}": llm.get(k, 0) for k in LLM_COUNTS})
+    totals = {k: run.saved_totals.get(k, 0) + session.get(k, 0) for k in {*run.saved_totals, *session} - {"max_reward"}}
+    totals["max_reward"] = max(run.saved_totals.get("max_reward", -math.inf), run.sums.get("max_reward", -math.inf))
+    return totals
+
+
+def write_checkpoint(state, path):
+    torch.save(plain(state), path + ".tmp")
+    os.replace(path + ".tmp", path)  # never leave a half-written checkpoint
+
+
+SAFE = {str, int, float, bool, type(None), torch.Tensor}  # and dicts, lists, tuples: what weights_only reads
+
+
+def plain(value):
+    """value in the types torch.load(weights_only=True) reads, so that a checkpoint cannot run code: numpy
+    arrays as tensors, numpy numbers as Python's, other mappings (a Counter) as dicts; TypeError on anything
+    else. Their readers take them back as they took the originals (np.asarray a tensor, Counter a dict)."""
+    if type(value) in SAFE or isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(value)
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, dict):  # kept whole when plain already: a module's state_dict keeps its _metadata
+        if type(value) in (dict, collections.OrderedDict) and {*map(type, (*value, *value.values()))} <= SAFE:
+            return value
+        return {plain(k): plain(v) for k, v in value.items()}
+    if isinstance(value, tuple | list):
+        if type(value) in (tuple, list) and {*map(type, value)} <= SAFE:  # fast for a million texts
+            return value
+        return tuple(map(plain, value)) if isinstance(value, tuple) else list(map(plain, value))
+    raise TypeError(f"a checkpoint cannot hold a {type(value).__name__}")
+
+
+KEYS = ("model", "args", "counters")  # dicts in every checkpoint of oni_appo.py
+
+
+def load_checkpoint(path, agent=None, trust=False):
+    """(file, checkpoint, its Args) of a checkpoint file or run dir, the policy into agent; else a one-line
+    error. trust: one that needs pickle is read with it and rewritten safe (see read_checkpoint)."""
+    path = os.path.join(path, "checkpoint.pt") if os.path.isdir(path) else path
+    if not os.path.isfile(path):
+        fail(f"no checkpoint at {path}")
+    checkpoint = read_checkpoint(path, trust)
+    if not isinstance(checkpoint, dict) or not all(isinstance(checkpoint.get(k), dict) for k in KEYS):
+        fail(f"{path} is not a checkpoint of oni_appo.py")
+    known = {f.name for f in dataclasses.fields(Args)}  # a flag removed since (--eval went to evaluate.py) is dropped
+    saved = Args(**{k: v for k, v in checkpoint["args"].items() if k in known})
+    try:
+        if agent is not None:
+            agent.load_state_dict(checkpoint["model"])
+    except RuntimeError as error:
+        fail(f"checkpoint {path} does not match this policy: {str(error).splitlines()[1].strip()}")
+    return path, checkpoint, saved
+
+
+def read_checkpoint(path, trust=False):
+    """A checkpoint file's contents, read with weights_only=True: a shared one cannot run code. One that
+    needs pickle (written before checkpoints held plain values only, or crafted) is refused, unless trust:
+    then it is read with pickle once and rewritten in the safe format. Else a one-line error."""
+    try:
+        with warnings.catch_warnings(action="ignore"):  # torch's on a foreign pickle: the error says enough
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:
+        if (unsafe := re.search(r"Unsupported global: GLOBAL (\S+)", str(error))) is None:
+            fail(f"cannot read checkpoint {path} (cut short, or not a checkpoint): {load_error(error)}")
+        if not trust:
+            fail(f"{path} needs pickle to load ({unsafe[1]}), which can run any code it holds; "
+                 "if you trust it (an older checkpoint of this project), load it once with "
+                 "--trust-checkpoint, which rewrites it in the safe format")
+    try:
+        checkpoint = plain(torch.load(path, map_location="cpu", weights_only=False))  # the flag trusts it
+    except Exception as error:
+        fail(f"cannot read checkpoint {path} with pickle: {load_error(error)}")
+    write_checkpoint(checkpoint, path)
+    print(f"--trust-checkpoint: read {path} with pickle and rewrote it in the safe format", file=sys.stderr)
+    return checkpoint
+
+
+def load_error(error) -> str:
+    """torch's reason in one line: its first sentence (what follows advises pickle or repeats)."""
+    line = (str(error).splitlines() or [""])[0]
+    return ": ".join(filter(None, (type(error).__name__, re.split(r"(?<=\w)\. ", line)[0])))
+
+
+def run_record(args) -> dict:
+    """What made this session of the run: the code, the resolved flags and, where the reward asks an LLM, the
+    demonstration pool and the servers asked (finish() adds the model they answered as, the embedded URL)."""
+    commit, dirty = git_state()
+    record = {"started": time.strftime("%Y-%m-%d %H:%M:%S %z"), "commit": commit,
+              "uncommitted_changes": dirty, "flags": dataclasses.asdict(args)}
+    if args.reward_type in reward_models.NEEDS_LLM:
+        record.update(demonstrations=annotator.demos_record(args.demos),
+                      llm={"urls": args.llm_url or "embedded", "model": args.llm_model or "the first listed"})
+    return record
+
+
+def git_state(root=os.path.dirname(os.path.abspath(__file__))):
+    """(commit, whether tracked files have uncommitted changes) of the code in `root`; "unknown" where there
+    is no git or no repository. Untracked files do not count: results/ holds runs being written."""
+    try:
+        def git(*argv):
+            return subprocess.run(["git", *argv], cwd=root, capture_output=True, text=True, timeout=60,
+                                   check=True).stdout.strip()
+        return git("rev-parse", "HEAD"), bool(git("status", "--porcelain", "--untracked-files=no"))
+    except (OSError, subprocess.SubprocessError):
+        return "unknown", "unknown"
+
+
+def rewrite(path, lines):  # atomically: a crash now must not lose the file
+    with open(path + ".tmp", "w") as f:
+        f.writelines(lines)
+    os.replace(path + ".tmp", path)
 
 
 def finish(run):

@@ -391,9 +391,12 @@ def env_worker(index, task, seed, num_envs, buffers, conn, max_episode_steps=env
 
 
 # ---------------------------------------- acting process --------------------------------------------------
+# One process acts for all env workers: it batches the observations of the slots that are ready, samples their
+# actions and sends each full rollout to the learner. act_process is its outline; the functions after it follow in
+# the order it calls them. It reads the learner's weights through SharedWeights, which comes first.
 
 
-LOCK_WAIT_S = 10.0  # a copy of the weights takes ~1 ms: a lock held this long is held by a process that died
+LOCK_WAIT_S = 10.0  # A copy of the weights is quick: a lock held this long is held by a process that died.
 
 
 class SharedWeights:
@@ -405,155 +408,169 @@ class SharedWeights:
         self.version, self.lock = torch.tensor([version]).share_memory_(), mp.get_context("spawn").Lock()
 
     def push(self, agent, version):
-        if self.lock.acquire(timeout=LOCK_WAIT_S):  # else the acting process died holding it: next_message says so
+        if self.lock.acquire(timeout=LOCK_WAIT_S):  # Else the acting process died holding it: next_message says so.
             torch._foreach_copy_(list(self.tensors.values()), list(agent.state_dict().values()))
             self.version[0] = version
             self.lock.release()
 
     def pull(self, agent, version) -> int:
         """Newer weights copied into agent (in place: act's CUDA graphs read them there); returns their version."""
-        if int(self.version[0]) != version and self.lock.acquire(timeout=LOCK_WAIT_S):  # else the learner is gone
+        if int(self.version[0]) != version and self.lock.acquire(timeout=LOCK_WAIT_S):  # Else the learner is gone.
             agent.load_state_dict(self.tensors)
             version = int(self.version[0])
             self.lock.release()
         return version
 
 
-def act_process(*shared):
-    """The acting process (shared: Acting's arguments): it acts for the ready slots, hands full rollouts over."""
-    torch.set_num_threads(1)  # its CPU ops are small: more threads only wake each other (README: Performance)
-    run = Acting(*shared)
-    conns, workers = start_workers(run)
-    try:  # an exception prints its traceback; the learner, sent an end it did not ask for, stops the run
-        collect(run, conns)
+def act_process(args, buffers, weights, full_rollouts, free_buffers, stop, collected_steps):
+    """The acting process: it starts the env workers, acts for their ready slots and hands full rollouts over
+    until stopped; its last message, "end", brings the steps and episodes of its last moments."""
+    torch.set_num_threads(1)  # Its CPU ops are small: more threads would only wake each other (README: Performance).
+    actor = Actor(args, buffers, weights, full_rollouts, free_buffers, stop, collected_steps)
+    conns, workers = start_workers(actor)
+    try:  # An exception prints its traceback; the learner, sent an end it did not ask for, stops the run.
+        collect(actor, conns)
     finally:
         stop_workers(conns, workers)
-        with contextlib.suppress(OSError):  # the learner is gone (kill -9)
-            run.full.send(("end", None, run.episodes, run.env_steps))
+        with contextlib.suppress(OSError):  # The learner is gone (kill -9).
+            actor.full_rollouts.send(("end", None, actor.episodes, actor.collected_steps))
 
 
-class Acting:
-    """The acting process's side: the env workers' slots, each filling a rollout buffer, and the policy it acts with.
-    full: ("rollout", (buffer, slot), episodes, env steps) per full rollout, to the learner; free: buffers, from it."""
+class Actor:
+    """The acting process's state: the slots (each half of a worker's envs, stepped together), the rollout buffer
+    each slot fills, and the policy it acts with. Its pipes: full_rollouts sends the learner (kind, what, episodes,
+    collected steps), kind "rollout" with what = (buffer, slot); free_buffers brings the buffers the learner has
+    copied out."""
 
-    def __init__(self, args, buffers, weights, full, free, stop, env_steps):
-        self.args, self.buffers, self.weights, self.full, self.free = args, buffers, weights, full, free
-        self.arrays = {k: v.numpy() for k, v in buffers.items()}  # the same memory: act indexes it at ~0.2 us, not 2-16
-        self.stop, self.env_steps, self.device, num_slots = stop, env_steps, pick_device(args.device), 2 * args.num_workers
+    def __init__(self, args, buffers, weights, full_rollouts, free_buffers, stop, collected_steps):
+        self.args, self.buffers, self.weights, self.stop = args, buffers, weights, stop
+        self.full_rollouts, self.free_buffers = full_rollouts, free_buffers
+        self.arrays = {k: v.numpy() for k, v in buffers.items()}  # The same memory: numpy indexes it faster.
+        self.collected_steps, self.device = collected_steps, pick_device(args.device)
         self.agent = Agent().to(self.device).eval()
-        self.version = weights.pull(self.agent, -1)  # of the weights in agent: the number of updates that made them
-        self.envs_per_slot, self.free_buffers, self.episodes = args.num_envs_per_worker // 2, [], []
+        self.version = weights.pull(self.agent, -1)  # Of the weights in agent: the number of updates that made them.
+        num_slots, self.envs_per_slot = 2 * args.num_workers, args.num_envs_per_worker // 2
+        self.empty_buffers, self.episodes = [], []  # The episodes that ended since the last message to the learner.
         self.slot_buffer, self.slot_t = list(range(num_slots)), [0] * num_slots
         self.hidden = torch.zeros(num_slots, self.envs_per_slot, self.agent.gru.hidden_size, device=self.device)
-        # each slot samples from its own stream: the same seed gives the same actions whichever slots are batched
-        self.samplers = [np.random.default_rng(args.seed * 1_000_003 + 7919 * s + self.version) for s in range(num_slots)]
+        # Each slot samples from its own stream, so the same seed gives the same actions whichever slots are batched.
+        self.samplers = [np.random.default_rng(args.seed * 1_000_003 + 7919 * s + self.version)
+                         for s in range(num_slots)]
 
 
-def start_workers(run):
+def start_workers(actor):
     """One process per worker, each stepping its envs into the shared buffers on command."""
-    args, ctx, conns, workers = run.args, mp.get_context("spawn"), [], []
+    args, ctx, conns, workers = actor.args, mp.get_context("spawn"), [], []
     for w in range(args.num_workers):
         parent, child = ctx.Pipe()
-        proc = ctx.Process(target=env_worker, daemon=True, args=(w, args.task, args.seed * 1_000_003 + run.version,
-                           args.num_envs_per_worker, run.buffers, child, args.max_episode_steps))
+        proc = ctx.Process(target=env_worker, daemon=True, args=(w, args.task, args.seed * 1_000_003 + actor.version,
+                           args.num_envs_per_worker, actor.buffers, child, args.max_episode_steps))
         proc.start()
         conns.append(parent)
         workers.append(proc)
-    for s in range(len(run.slot_buffer)):  # every slot resets its envs into its first buffer
-        conns[s // 2].send((s % 2, run.slot_buffer[s], -1))
+    for s in range(len(actor.slot_buffer)):  # Every slot resets its envs into its first buffer.
+        conns[s // 2].send((s % 2, actor.slot_buffer[s], -1))
     return conns, workers
 
 
-def collect(run, conns):
+def collect(actor, conns):
     """Until stopped: act for ready slots, hand full rollouts to the learner."""
     waiting = []
-    while not run.stop.value:
-        ready = waiting + receive(run, conns)  # slots that waited for a free buffer first
-        # back-pressure: a slot at the end of its rollout waits while no buffer is free (the learner is behind)
-        waiting = [s for s in ready if run.slot_t[s] == run.args.rollout and not hand_over(run, s)]
+    while not actor.stop.value:
+        ready = waiting + receive(actor, conns)  # Slots that waited for an empty buffer go first.
+        # Back-pressure: a slot at the end of its rollout waits while no buffer is empty (the learner is behind).
+        waiting = [s for s in ready if actor.slot_t[s] == actor.args.rollout and not hand_over(actor, s)]
         acting = [s for s in ready if s not in waiting]
         if acting:
-            act(run, conns, acting)
+            act(actor, conns, acting)
 
 
-def receive(run, conns):
+def receive(actor, conns):
     """The slots whose envs finished a step (the episodes those steps ended noted); free buffers from the learner."""
     ready, learner = [], multiprocessing.parent_process().sentinel
-    if learner in (signalled := multiprocessing.connection.wait([*conns, run.free, learner], timeout=0.1)):
-        run.stop.value = 1  # the learner's process is gone (kill -9): never outlive it
+    signalled = multiprocessing.connection.wait([*conns, actor.free_buffers, learner], timeout=0.1)
+    if learner in signalled:
+        actor.stop.value = 1  # The learner's process is gone (kill -9): never outlive it.
         return []
     for conn in signalled:
-        if conn is run.free:
-            run.free_buffers += run.free.recv()
+        if conn is actor.free_buffers:
+            actor.empty_buffers += actor.free_buffers.recv()
             continue
         w = conns.index(conn)
         while conn.poll():
             try:
                 half, episodes = conn.recv()
             except (EOFError, OSError):
-                run.full.send(("failure", f"env worker {w} died", [], run.env_steps))
-                run.stop.value = 1
+                actor.full_rollouts.send(("failure", f"env worker {w} died", [], actor.collected_steps))
+                actor.stop.value = 1
                 break
             ready.append(2 * w + half)
-            run.episodes += [(w * run.args.num_envs_per_worker + i, dict(episode, env_steps=run.env_steps))
-                             for i, episode in episodes]
+            actor.episodes += [(w * actor.args.num_envs_per_worker + i, dict(episode, env_steps=actor.collected_steps))
+                               for i, episode in episodes]
     return ready
 
 
-def hand_over(run, s):
-    """Slot s's rollout is full: send it to the learner, go on in a free buffer (False: none is free)."""
-    if not run.free_buffers:
+def hand_over(actor, s):
+    """Slot s's rollout is full: send it to the learner, go on in an empty buffer (False: none is empty)."""
+    if not actor.empty_buffers:
         return False
-    new, old, T = run.free_buffers.pop(), run.slot_buffer[s], run.args.rollout
-    run.hidden[s] = carry_state(run.hidden[s], run.buffers["end"][old, T - 1])
+    new, old, T = actor.empty_buffers.pop(), actor.slot_buffer[s], actor.args.rollout
+    actor.hidden[s] = carry_state(actor.hidden[s], actor.buffers["end"][old, T - 1])
     for k in OBS_FIELDS:
-        run.buffers[k][new, 0] = run.buffers[k][old, T]
-    run.buffers["h0"][new] = run.hidden[s].cpu()
-    run.full.send(("rollout", (old, s), run.episodes, run.env_steps))
-    run.slot_buffer[s], run.slot_t[s], run.episodes = new, 0, []
+        actor.buffers[k][new, 0] = actor.buffers[k][old, T]
+    actor.buffers["h0"][new] = actor.hidden[s].cpu()
+    actor.full_rollouts.send(("rollout", (old, s), actor.episodes, actor.collected_steps))
+    actor.slot_buffer[s], actor.slot_t[s], actor.episodes = new, 0, []
     return True
 
 
-def act(run, conns, slots):
+def act(actor, conns, slots):
     """One batched inference step for these slots, written into their buffers at their t; then their workers step."""
-    arrays, n = run.arrays, run.envs_per_slot
-    places = [(run.slot_buffer[s], run.slot_t[s]) for s in slots]  # a slot's observations: one slice, not a gather
-    obs = {k: torch.from_numpy(np.concatenate([arrays[k][b, t] for b, t in places])).to(run.device) for k in OBS_FIELDS}
-    # at t = 0 the state was carried over at the hand-over; after that, reset where an episode ended
+    arrays, n = actor.arrays, actor.envs_per_slot
+    places = [(actor.slot_buffer[s], actor.slot_t[s]) for s in slots]  # A slot's observations are one slice.
+    obs = {k: torch.from_numpy(np.concatenate([arrays[k][b, t] for b, t in places])).to(actor.device)
+           for k in OBS_FIELDS}
+    # At t = 0 the state was carried over at the hand-over; after that, it resets where an episode ended.
     cut = np.concatenate([episode_cut(arrays["end"][b, t - 1]) if t else np.zeros(n, bool) for b, t in places])
-    h = torch.cat([run.hidden[s] for s in slots]) * torch.from_numpy(~cut[:, None]).to(run.device)
-    run.version = run.weights.pull(run.agent, run.version)  # the newest whole update
+    h = torch.cat([actor.hidden[s] for s in slots]) * torch.from_numpy(~cut[:, None]).to(actor.device)
+    actor.version = actor.weights.pull(actor.agent, actor.version)  # The newest whole update.
     with torch.no_grad():
-        logits, _, h_new = run.agent.fast_step(obs, h)
+        logits, _, h_new = actor.agent.fast_step(obs, h)
         log_probs = torch.log_softmax(logits.float(), dim=-1).cpu().numpy()
-    for i, (s, (b, t)) in enumerate(zip(slots, places)):  # Gumbel-max sampling from each slot's own stream of noise
-        noise = run.samplers[s].random((n, log_probs.shape[1]), np.float32)
+    for i, (s, (b, t)) in enumerate(zip(slots, places)):  # Gumbel-max sampling from each slot's own stream of noise.
+        noise = actor.samplers[s].random((n, log_probs.shape[1]), np.float32)
         mine = log_probs[i * n:(i + 1) * n]
         arrays["action"][b, t] = action = (mine - np.log(-np.log(np.maximum(noise, 1e-20)))).argmax(-1)
-        arrays["logprob"][b, t], arrays["version"][b, t] = mine[np.arange(n), action], run.version
-        run.hidden[s] = h_new[i * n:(i + 1) * n]
-        with contextlib.suppress(OSError):  # a worker that died: receive() finds its pipe closed and stops the run
+        arrays["logprob"][b, t], arrays["version"][b, t] = mine[np.arange(n), action], actor.version
+        actor.hidden[s] = h_new[i * n:(i + 1) * n]
+        with contextlib.suppress(OSError):  # A worker that died: receive() finds its pipe closed and stops the run.
             conns[s // 2].send((s % 2, b, t))
-        run.slot_t[s] = t + 1
-    run.env_steps += len(slots) * n
+        actor.slot_t[s] = t + 1
+    actor.collected_steps += len(slots) * n
 
 
 def stop_workers(conns, workers):
     for conn in conns:
-        with contextlib.suppress(OSError):  # a dead worker's pipe is broken
+        with contextlib.suppress(OSError):  # A dead worker's pipe is broken.
             conn.send(None)
     for proc in workers:
         proc.join(timeout=5)
-        proc.kill()  # if still alive (a no-op for one that ended); it ignores SIGTERM (start_acting)
+        proc.kill()  # If still alive (a no-op for one that ended); it ignores SIGTERM (start_acting).
 
 
 # ---------------------------------------- learner ---------------------------------------------------------
+# This process: it turns batches of full rollouts into rewards and APPO updates, and hands the new weights to the
+# acting process. train is the outline; the functions after it follow in the order it calls them. They call the
+# last section's functions for checkpoints and logs.
 
 
-TORCH_THREADS = torch.get_num_threads()  # the learner's, read before any thread changes the default
+TORCH_THREADS = torch.get_num_threads()  # The learner's, read before any thread changes the default.
 
 
 def train(args):
+    """A run: set_up builds the learner's side (a Run), start_acting starts the acting process, learn trains until
+    --total-env-steps are learned or a stop, end_acting stops the acting process and finish writes the last log,
+    checkpoint and summary.json."""
     run = set_up(args)
     start_acting(run)
     run.start_time = time.time()
@@ -561,7 +578,7 @@ def train(args):
           f"{args.num_envs_per_worker} envs on {run.device}; run dir {args.run_dir}", flush=True)
     try:
         learn(run)
-    except SystemExit as error:  # a fatal LLM error: saved and said by finish()
+    except SystemExit as error:  # A fatal LLM error: finish() saves the run and says it.
         run.failure = str(error).removeprefix("error: ")
     finally:
         end_acting(run)
@@ -573,96 +590,89 @@ def train(args):
 
 @dataclass
 class Run:
-    """The learner's side of training, this process. The acting process (Acting) shares with it the rollout buffers,
-    the weights, the stop and two pipes: full rollouts to the learner, free buffers back; each has its own GIL."""
+    """The learner's side of a run, this process. It shares the rollout buffers, the weights and the stop flag with
+    the acting process, and two pipes: full rollouts come from it, free buffers go back (start_acting makes them).
+    Two processes, so that acting and learning each have a GIL of their own."""
     args: Args
     device: torch.device
     agent: Agent
     optimizer: torch.optim.Optimizer
     intrinsic: reward_models.IntrinsicReward
-    client: annotator.LabelClient | None  # the annotator's: label requests out, labels in
-    writer: object  # tensorboard's SummaryWriter; wandb syncs from it with --track
-    counters: dict  # env_steps (collected: the acting process's count), updates (= the policy version), episodes
-    saved_totals: dict  # the run's totals up to the checkpoint it resumed from (run_totals adds this session's)
-    sessions: list  # run_record() of each session, this one last
-    updates: collections.deque = field(default_factory=collections.deque)  # figures of each update, for the log
+    client: annotator.LabelClient | None  # The annotator's: label requests go out, labels come in.
+    writer: object  # Tensorboard's SummaryWriter; wandb syncs from it with --track.
+    # collected_steps (as the acting process last said), updates (= the policy version) and episodes. Collection
+    # runs ahead of learning: the steps learned are learned_steps(run), what checkpoints and summary.json count.
+    counters: dict
+    saved_totals: dict  # The run's totals up to the checkpoint it resumed from; run_totals adds this session's.
+    sessions: list  # The run_record() of each session, this one last.
+    buffers: dict  # The rollout buffers (make_buffers): enough for the slots in flight and one batch.
+    weights: SharedWeights
+    envs_per_slot: int
+    buffers_per_batch: int
+    pending: list  # Per env, the episodes the workers finished; joined with the next list in the log.
+    finished: list  # Per env, the learner's intrinsic totals of them.
+    intrinsic_totals: np.ndarray  # Per env, the intrinsic sums of its episode in progress.
+    start_collected: int  # The counts that this session started from.
+    start_learned: int
+    acting: object = None  # The acting process, and the learner's ends of its two pipes (start_acting).
+    full_rollouts: object = None
+    free_buffers: object = None
+    updates: collections.deque = field(default_factory=collections.deque)  # Each update's figures, for the log.
     losses: dict = field(default_factory=dict)
-    sums: collections.Counter = field(default_factory=collections.Counter)  # this session's learner sums, see learn()
-    failure: str | None = None  # a fatal LLM error, an env worker or the acting process gone: saved, then said
-    ended: bool = False  # nothing more comes from the acting process: its "end" was read, or its pipe closed
-    start_time: float = field(default_factory=time.time)  # train() sets it again once the acting process runs
-    stop: object = field(default_factory=lambda: mp.get_context("spawn").RawValue("b", 0))  # .value: set by either
-
-    def __post_init__(self):
-        args = self.args
-        num_slots, num_envs = 2 * args.num_workers, args.num_workers * args.num_envs_per_worker
-        self.envs_per_slot = args.num_envs_per_worker // 2  # a slot is one half of a worker's envs, stepped together
-        self.buffers_per_batch = args.batch_size // (args.rollout * self.envs_per_slot)
-        # slots in flight + one batch, which fills while the learner learns; more would only add policy lag
-        self.buffers = make_buffers(num_slots + self.buffers_per_batch, args.rollout, self.envs_per_slot)
-        self.weights = SharedWeights(self.agent, self.counters["updates"])
-        (self.full, self.full_out), (self.free_in, self.free) = mp.Pipe(duplex=False), mp.Pipe(duplex=False)
-        self.free.send(list(range(num_slots, len(self.buffers["h0"]))))  # slot s starts in buffer s
-        self.acting = mp.get_context("spawn").Process(target=act_process, args=(  # not a daemon: it starts the workers
-            args, self.buffers, self.weights, self.full_out, self.free_in, self.stop, self.counters["env_steps"]))
-        self.start_steps, self.start_learned = self.counters["env_steps"], self.counters["updates"] * args.batch_size
-        # per env, the workers' finished episodes and the learner's intrinsic totals of them, joined in the log
-        self.pending, self.finished = ([collections.deque() for _ in range(num_envs)] for _ in range(2))
-        self.intrinsic_totals = np.zeros((num_envs, 3))  # of the episodes in progress
+    sums: collections.Counter = field(default_factory=collections.Counter)  # This session's sums (see learn).
+    failure: str | None = None  # A fatal LLM error, or an env worker or the acting process gone: saved, then said.
+    ended: bool = False  # Nothing more comes from the acting process: its "end" was read, or its pipe closed.
+    start_time: float = field(default_factory=time.time)  # train() sets it again once the acting process runs.
+    stop: object = field(default_factory=lambda: mp.get_context("spawn").RawValue("b", 0))  # Either process sets it.
 
 
 def set_up(args) -> Run:
+    """The learner's side of a run: the policy and its optimizer, the reward, the label client, the log writer and
+    the rollout buffers; on a resume, from the checkpoint."""
     os.makedirs(args.run_dir, exist_ok=True)
     sessions = [run_record(args)]
-    print(f"run record: {json.dumps(sessions[0])}", flush=True)  # first: a console.log opens with it
+    print(f"run record: {json.dumps(sessions[0])}", flush=True)  # First, so that a console.log opens with it.
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
     device = pick_device(args.device)
     agent = Agent().to(device)
     optimizer = torch.optim.Adam(agent.parameters(), lr=args.lr, eps=1e-5)
-    counters, saved_totals = {"env_steps": 0, "updates": 0, "episodes": 0}, {}
+    counters, saved_totals = {"collected_steps": 0, "updates": 0, "episodes": 0}, {}
     intrinsic = reward_models.IntrinsicReward(args, device)
     if args.resume:
-        _, checkpoint, _ = load_checkpoint(args.resume, agent)
-        optimizer.load_state_dict(checkpoint["optimizer"])
-        counters.update(checkpoint["counters"])
+        checkpoint = resume(args, agent, optimizer, intrinsic, counters)
         saved_totals, sessions = checkpoint.get("totals", {}), checkpoint.get("sessions", []) + sessions
-        episodes = os.path.join(args.run_dir, "episodes.jsonl")
-        if os.path.exists(episodes):  # the steps after the checkpoint are played again: so are their episodes
-            with open(episodes) as f:
-                kept = [e for e in f if e.endswith("\n") and json.loads(e).get("env_steps", 0) <= counters["env_steps"]]
-            rewrite(episodes, kept)
-            counters["episodes"] = len(kept)
-        labels = os.path.join(args.run_dir, annotator.LABELS_FILE)
-        if os.path.exists(labels):  # the labels so far come back from the run's file, not asked again
-            intrinsic.add_labels(records := annotator.read_labels(labels))
-            rewrite(labels, [json.dumps(r) + "\n" for r in records])  # whole lines only: the annotator appends
-        intrinsic.load_state_dict(checkpoint.get("intrinsic", {}))
-        print(f"resumed from {args.resume} at {counters['env_steps']:,} env steps")
     client = annotator.LabelClient(args) if args.reward_type in reward_models.NEEDS_LLM else None
-    from torch.utils.tensorboard import SummaryWriter
-    if args.track:
-        try:
-            import wandb
-        except ImportError:
-            fail("--track needs wandb: pip install wandb")
-        wandb.init(project=args.wandb_project, config=dataclasses.asdict(args), sync_tensorboard=True,
-                   name=os.path.basename(args.run_dir), dir=args.run_dir, resume="allow")
-    writer = SummaryWriter(args.run_dir)
-    writer.add_text("args", "\n".join(f"{k}: {v}" for k, v in dataclasses.asdict(args).items()))
-    if client is not None:  # the annotator subprocess and, without --llm-url, the embedded server
+    writer = make_writer(args)
+    if client is not None:  # The annotator subprocess and, without --llm-url, the embedded server.
         client.start(args.run_dir, known=intrinsic.known_keys())
     intrinsic.start(args.reward_model_share)
-    return Run(args, device, agent, optimizer, intrinsic, client, writer, counters, saved_totals, sessions)
+    envs_per_slot = args.num_envs_per_worker // 2  # A slot is one half of a worker's envs, stepped together.
+    buffers_per_batch = args.batch_size // (args.rollout * envs_per_slot)
+    # The slots in flight and one batch, which fills while the learner learns; more would only add policy lag.
+    buffers = make_buffers(2 * args.num_workers + buffers_per_batch, args.rollout, envs_per_slot)
+    num_envs = args.num_workers * args.num_envs_per_worker
+    return Run(args, device, agent, optimizer, intrinsic, client, writer, counters, saved_totals, sessions, buffers,
+               SharedWeights(agent, counters["updates"]), envs_per_slot, buffers_per_batch,
+               pending=[collections.deque() for _ in range(num_envs)],
+               finished=[collections.deque() for _ in range(num_envs)], intrinsic_totals=np.zeros((num_envs, 3)),
+               start_collected=counters["collected_steps"], start_learned=counters["updates"] * args.batch_size)
 
 
 def start_acting(run):
-    """Starts the acting process ignoring Ctrl-C and SIGTERM, as its env workers then do (both reach the whole group
-    from a terminal or a scheduler): this process alone stops them, with the stop flag, at an update's end."""
+    """Starts the acting process with the buffers, the weights, the stop flag and the two pipes it shares with this
+    one. It ignores Ctrl-C and SIGTERM, as its env workers then do (both reach the whole process group from a
+    terminal or a scheduler): this process alone stops them, with the stop flag, at an update's end."""
+    run.full_rollouts, full_rollouts_out = mp.Pipe(duplex=False)
+    free_buffers_in, run.free_buffers = mp.Pipe(duplex=False)
+    run.free_buffers.send(list(range(2 * run.args.num_workers, len(run.buffers["h0"]))))  # Slot s starts in buffer s.
+    run.acting = mp.get_context("spawn").Process(target=act_process, args=(  # Not a daemon: it starts the workers.
+        run.args, run.buffers, run.weights, full_rollouts_out, free_buffers_in, run.stop,
+        run.counters["collected_steps"]))
     for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, signal.SIG_IGN)  # inherited at the spawn: no child dies mid-import either
+        signal.signal(signum, signal.SIG_IGN)  # Inherited at the spawn, so that no child dies mid-import either.
     run.acting.start()
-    run.full_out.close()  # its end of the pipe is the acting process's alone now: the pipe closes when that dies
+    full_rollouts_out.close()  # That end is the acting process's alone now: the pipe closes when that process dies.
 
     def request_stop(signum, frame):
         if run.stop.value:
@@ -674,25 +684,28 @@ def start_acting(run):
 
 
 def learn(run):
-    """Batches of full rollouts -> rewards (extrinsic + intrinsic) -> one APPO update -> the new weights to the acting
-    process; then the new LLM labels go in. Logs and checkpoints come between two updates, so checkpoints see whole
-    updates."""
-    torch.set_num_threads(TORCH_THREADS)  # the reward-model trainer's setting must not become this thread's
+    """Batches of full rollouts -> rewards (extrinsic + intrinsic) -> one APPO update -> the new weights to the
+    acting process; then the new LLM labels go in. Logs and checkpoints come between two updates, so that
+    checkpoints hold whole updates."""
+    torch.set_num_threads(TORCH_THREADS)  # The reward model's trainer thread sets its own: not this thread's.
     last_log = last_checkpoint = time.time()
     while (rollouts := next_batch(run)) is not None:
         batch, step_message, env_ids, lag = take_batch(run, rollouts)
         started = time.perf_counter()
-        terminal = batch["end"] == End.TERMINATED  # summary.json's means are over steps, not over batches
-        rewards, paid, reward_stats = run.intrinsic.rewards(batch["reward"], step_message, batch["step_count"], terminal)
+        terminal = batch["end"] == End.TERMINATED  # summary.json's means are over steps, not over batches.
+        rewards, paid, reward_stats = run.intrinsic.rewards(batch["reward"], step_message, batch["step_count"],
+                                                            terminal)
         add_intrinsic_episodes(run.intrinsic_totals, run.finished, paid, batch["end"], env_ids)
         run.sums.update(lag_sum=lag.sum().item(), lag_steps=lag.numel(), terminal_paid=paid[terminal].sum().item(),
                         terminal_steps=terminal.sum().item())
         run.sums["max_reward"] = max(run.sums.get("max_reward", -math.inf), paid.max().item())
         intrinsic_done = time.perf_counter()
         losses = update_policy(run, batch, rewards)
-        if run.client is not None:  # where labels enter the reward, and captions leave for the LLM
-            if not run.stop.value and run.client.check():  # a fatal LLM error stops the run; a dead annotator is
-                run.client.request(*run.intrinsic.unanswered())  # restarted, asked again (not in a stop: SIGTERM kills it)
+        if run.client is not None:  # Here labels enter the reward, and captions leave for the LLM.
+            # A fatal LLM error stops the run; a dead annotator is restarted and asked again, but not in a stop,
+            # where the SIGTERM to the process group killed it.
+            if not run.stop.value and run.client.check():
+                run.client.request(*run.intrinsic.unanswered())
             run.intrinsic.add_labels(run.client.new_records())
             run.client.request(*run.intrinsic.label_requests())
         run.losses = dict(losses, **run.intrinsic.train_stats(), time_intrinsic_s=intrinsic_done - started,
@@ -718,19 +731,20 @@ def next_batch(run):
 
 
 def next_message(run, timeout):
-    """The acting process's next message (kind, what) or (None, None); steps, episodes noted; a failure stops."""
-    if not run.full.poll(timeout):
+    """The acting process's next message (kind, what) or (None, None); its steps and episodes noted; a failure
+    stops the run."""
+    if not run.full_rollouts.poll(timeout):
         return None, None
     try:
-        kind, what, episodes, run.counters["env_steps"] = run.full.recv()
-    except (EOFError, OSError):  # its end of the pipe closed before an "end": it died (kill -9, OOM), mid-message
+        kind, what, episodes, run.counters["collected_steps"] = run.full_rollouts.recv()
+    except (EOFError, OSError):  # Its end of the pipe closed before an "end": it died (kill -9, OOM), mid-message.
         run.ended, run.failure, run.stop.value = True, run.failure or "the acting process died", 1
         return None, None
     run.ended |= kind == "end"
     for env, episode in episodes:
         run.pending[env].append(episode)
     run.counters["episodes"] += len(episodes)
-    if kind == "failure" or (kind == "end" and not run.stop.value):  # an end not asked for: an exception
+    if kind == "failure" or (kind == "end" and not run.stop.value):  # An end not asked for: an exception.
         run.failure = run.failure or what or "the acting process failed (its traceback is above)"
         run.stop.value = 1
     return kind, what
@@ -738,15 +752,16 @@ def next_message(run, timeout):
 
 def take_batch(run, rollouts):
     """Copies the rollouts out of their buffers ([buffer, t, env] -> [t, buffer * env]) and frees them."""
-    ids = [b for b, _ in rollouts]  # each rollout is one slice of its buffer: stacked, not gathered by index (13x faster)
-    data = {k: torch.stack([v[b] for b in ids], 1).flatten(1, 2) for k, v in run.buffers.items() if k not in ("h0", "version")}
+    ids = [b for b, _ in rollouts]  # Each rollout is one slice of its buffer: stacked, which is quicker than a gather.
+    data = {k: torch.stack([v[b] for b in ids], 1).flatten(1, 2)
+            for k, v in run.buffers.items() if k not in ("h0", "version")}
     batch = {k: data[k].to(run.device) for k in ("action", "logprob", "end", "reward", "step_count")}
     batch["obs"] = {k: data[k].to(run.device) for k in OBS_FIELDS}
     batch["h0"] = run.buffers["h0"][ids].flatten(0, 1).to(run.device)
     env_ids = np.concatenate([s * run.envs_per_slot + np.arange(run.envs_per_slot) for _, s in rollouts])
     lag = run.counters["updates"] - run.buffers["version"][ids].float()
-    run.free.send(ids)
-    return batch, data["step_message"], env_ids, lag  # the messages stay on the CPU: np.unique finds them there
+    run.free_buffers.send(ids)
+    return batch, data["step_message"], env_ids, lag  # The messages stay on the CPU, where np.unique finds them.
 
 
 def update_policy(run, batch, rewards):
@@ -761,7 +776,7 @@ def update_policy(run, batch, rewards):
 
 
 def learned_steps(run) -> int:
-    """Env steps learned from: what checkpoints, summary.json and --total-env-steps count (collection runs ahead)."""
+    """Env steps learned from: what checkpoints, summary.json and --total-env-steps count."""
     return run.counters["updates"] * run.args.batch_size
 
 
@@ -771,23 +786,26 @@ def end_acting(run):
     while not run.ended and time.time() < deadline:
         next_message(run, 0.1)
     run.acting.join(timeout=10)
-    run.acting.kill()  # wedged (a no-op for one that ended)
+    run.acting.kill()  # It is wedged; a no-op for one that ended.
 
 
 # ---------------------------------------- checkpoints and logs --------------------------------------------
+# What the learner writes and reads back: the episodes and progress it logs, its checkpoints, and the record of
+# what made each session; finish, the last of train's steps, comes last.
 
 
 def add_intrinsic_episodes(totals, finished, paid, end, env_ids):
-    """paid (R / N^beta), end: [T, B]: rollouts side by side, each env's in time order (one env may have two); env_ids:
-    [B]. Sums each env's episode in totals [envs, 3]; at its end, its intrinsic return and rewarded share go to finished."""
-    order = np.argsort(env_ids, kind="stable")  # one run of steps per env, in time order: a segmented sum
+    """paid (R / N^beta), end: [T, B], rollouts side by side, each env's in time order (one env may have two);
+    env_ids: [B]. Sums each env's episode in totals [envs, 3]; at its end, its intrinsic return and the share of
+    its steps that were rewarded go to finished."""
+    order = np.argsort(env_ids, kind="stable")  # One run of steps per env, in time order, for a segmented sum.
     paid, end = paid.cpu().numpy()[:, order].T.ravel().astype(np.float64), end.cpu().numpy()[:, order].T.ravel()
     env = np.repeat(env_ids[order], len(end) // len(order))
-    steps = np.stack([paid, paid != 0, np.ones_like(paid)], 1) * (end != End.RESET)[:, None]  # a reset step: none
+    steps = np.stack([paid, paid != 0, np.ones_like(paid)], 1) * (end != End.RESET)[:, None]  # A reset step: none.
     first, last = np.r_[True, env[1:] != env[:-1]], np.r_[env[1:] != env[:-1], True]
-    steps[first] += totals[env[first]] * (end[first] != End.RESET)[:, None]  # episodes in progress go on
+    steps[first] += totals[env[first]] * (end[first] != End.RESET)[:, None]  # Episodes in progress go on.
     done = (end == End.TERMINATED) | (end == End.TRUNCATED)
-    starts = np.flatnonzero(first | (end == End.RESET) | np.r_[False, done[:-1]])  # a reset drops its episode
+    starts = np.flatnonzero(first | (end == End.RESET) | np.r_[False, done[:-1]])  # A reset drops its episode.
     sums, ends = np.add.reduceat(steps, starts), np.r_[starts[1:], len(end)] - 1
     totals[env[first]], going_on = 0.0, last[ends] & ~done[ends]
     totals[env[ends[going_on]]] = sums[going_on]
@@ -804,15 +822,32 @@ def join_episodes(pending, finished, final=False):
     return sorted(out, key=lambda e: e["env_steps"])
 
 
+def make_writer(args):
+    """Tensorboard's SummaryWriter in the run dir; with --track, wandb syncs from it."""
+    from torch.utils.tensorboard import SummaryWriter
+    if args.track:
+        try:
+            import wandb
+        except ImportError:
+            fail("--track needs wandb: pip install wandb")
+        wandb.init(project=args.wandb_project, config=dataclasses.asdict(args), sync_tensorboard=True,
+                   name=os.path.basename(args.run_dir), dir=args.run_dir, resume="allow")
+    writer = SummaryWriter(args.run_dir)
+    writer.add_text("args", "\n".join(f"{k}: {v}" for k, v in dataclasses.asdict(args).items()))
+    return writer
+
+
 def log_progress(run, episodes, now):
-    steps, writer = run.counters["env_steps"], run.writer
-    sps = (steps - run.start_steps) / (now - run.start_time)
-    window = [run.updates.popleft() for _ in range(len(run.updates))]  # updates since the last log
+    """Tensorboard's figures at the collected steps, episodes.jsonl and a line on the console."""
+    steps, writer = run.counters["collected_steps"], run.writer
+    sps = (steps - run.start_collected) / (now - run.start_time)
+    window = [run.updates.popleft() for _ in range(len(run.updates))]  # The updates since the last log.
     figures = {k: [u[k] for u in window if k in u] for k in {k for u in window for k in u}}
-    figures = {k: max(v) if k.endswith("max") or k.startswith("max") else float(np.mean(v)) for k, v in figures.items()}
+    figures = {k: max(v) if k.endswith("max") or k.startswith("max") else float(np.mean(v))
+               for k, v in figures.items()}
     lag_mean, lag_max = figures.pop("lag_mean", 0.0), int(figures.pop("lag_max", 0))
     llm = run.client.stats() if run.client is not None else {}
-    if llm:  # counts of the whole run, as in summary.json (a new dict: after close() stats() returns its own)
+    if llm:  # The whole run's counts, as in summary.json; a new dict, since after close() stats() returns its own.
         llm = {**llm, **{k.removeprefix("llm_"): v for k, v in run_totals(run, llm).items() if k.startswith("llm_")}}
     charts = {"SPS": sps, "policy_lag_mean": lag_mean, "policy_lag_max": lag_max, "updates": run.counters["updates"]}
     for prefix, values in (("charts", charts), ("losses", run.losses), ("intrinsic", figures), ("llm", llm)):
@@ -826,23 +861,27 @@ def log_progress(run, episodes, now):
     mean_return = f"{np.mean([e['return'] for e in episodes]):8.2f}" if episodes else "     n/a"
     labels = (f" | llm labels {llm.get('labels', 0):,} fail {llm.get('failures', 0):,} "
               f"backlog {llm.get('backlog', 0):,}") if llm else ""
-    print(f"steps {steps:>13,} | {sps:8,.0f} steps/s | episodes {run.counters['episodes']:>7,} | return {mean_return} | "
-          f"lag {lag_mean:4.1f}/{lag_max:<3d} | updates {run.counters['updates']:,}{labels}", flush=True)
+    print(f"steps {steps:>13,} | {sps:8,.0f} steps/s | episodes {run.counters['episodes']:>7,} | "
+          f"return {mean_return} | lag {lag_mean:4.1f}/{lag_max:<3d} | updates {run.counters['updates']:,}{labels}",
+          flush=True)
 
 
 def add_scalars(writer, prefix, values, step):
     for k, v in values.items():
-        if isinstance(v, (int, float)):  # not the annotator's "fatal" line: that ends the run
+        if isinstance(v, (int, float)):  # Not the annotator's "fatal" line: that one ends the run.
             writer.add_scalar(f"{prefix}/{k}", v, step)
 
 
-LLM_COUNTS = ("requests", "labels", "failures", "parse_failures", "dropped", "restarts")  # summed over resumes
+LLM_COUNTS = ("requests", "labels", "failures", "parse_failures", "dropped", "restarts")  # Summed over resumes.
 
 
 def save(run):
+    """The checkpoint: the policy, its optimizer, the reward model, the counters at the steps learned (a resume
+    collects again what was not learned), the flags, the run's totals and its sessions. Returns the totals."""
     totals = run_totals(run, run.client.stats() if run.client is not None else {})
-    state = dict(model=run.agent.state_dict(), optimizer=run.optimizer.state_dict(),  # a resume collects again
-                 counters=dict(run.counters, env_steps=learned_steps(run)),  # what was not learned
+    counters = dict(learned_steps=learned_steps(run), updates=run.counters["updates"],
+                    episodes=run.counters["episodes"])
+    state = dict(model=run.agent.state_dict(), optimizer=run.optimizer.state_dict(), counters=counters,
                  args=dataclasses.asdict(run.args), intrinsic=run.intrinsic.state_dict(), totals=totals,
                  sessions=run.sessions)
     write_checkpoint(state, os.path.join(run.args.run_dir, "checkpoint.pt"))
@@ -850,21 +889,23 @@ def save(run):
 
 
 def run_totals(run, llm) -> dict:
-    """The whole run's sums over any number of resumes: the checkpoint's plus this session's (the learner's sums, its
-    wall time and steps learned, the counts in the annotator's stats `llm`, which start at 0 in each session)."""
-    session = dict(run.sums, wall_time_s=time.time() - run.start_time, learned_steps=learned_steps(run) - run.start_learned,
+    """The whole run's sums over any number of resumes: the checkpoint's plus this session's (the learner's sums,
+    its wall time and steps learned, the counts in the annotator's stats `llm`, which start at 0 in each session)."""
+    session = dict(run.sums, wall_time_s=time.time() - run.start_time,
+                   learned_steps=learned_steps(run) - run.start_learned,
                    **{f"llm_{k}": llm.get(k, 0) for k in LLM_COUNTS})
-    totals = {k: run.saved_totals.get(k, 0) + session.get(k, 0) for k in {*run.saved_totals, *session} - {"max_reward"}}
+    totals = {k: run.saved_totals.get(k, 0) + session.get(k, 0)
+              for k in {*run.saved_totals, *session} - {"max_reward"}}
     totals["max_reward"] = max(run.saved_totals.get("max_reward", -math.inf), run.sums.get("max_reward", -math.inf))
     return totals
 
 
 def write_checkpoint(state, path):
     torch.save(plain(state), path + ".tmp")
-    os.replace(path + ".tmp", path)  # never leave a half-written checkpoint
+    os.replace(path + ".tmp", path)  # Never leave a half-written checkpoint.
 
 
-SAFE = {str, int, float, bool, type(None), torch.Tensor}  # and dicts, lists, tuples: what weights_only reads
+SAFE = {str, int, float, bool, type(None), torch.Tensor}  # With dicts, lists and tuples: what weights_only reads.
 
 
 def plain(value):
@@ -877,18 +918,18 @@ def plain(value):
         return torch.from_numpy(value)
     if isinstance(value, np.generic):
         return value.item()
-    if isinstance(value, dict):  # kept whole when plain already: a module's state_dict keeps its _metadata
+    if isinstance(value, dict):  # Kept whole when plain already: a module's state_dict keeps its _metadata.
         if type(value) in (dict, collections.OrderedDict) and {*map(type, (*value, *value.values()))} <= SAFE:
             return value
         return {plain(k): plain(v) for k, v in value.items()}
     if isinstance(value, tuple | list):
-        if type(value) in (tuple, list) and {*map(type, value)} <= SAFE:  # fast for a million texts
+        if type(value) in (tuple, list) and {*map(type, value)} <= SAFE:  # Quick for the label table's texts.
             return value
         return tuple(map(plain, value)) if isinstance(value, tuple) else list(map(plain, value))
     raise TypeError(f"a checkpoint cannot hold a {type(value).__name__}")
 
 
-KEYS = ("model", "args", "counters")  # dicts in every checkpoint of oni_appo.py
+KEYS = ("model", "args", "counters")  # The dicts in every checkpoint of oni_appo.py.
 
 
 def load_checkpoint(path, agent=None, trust=False):
@@ -900,7 +941,7 @@ def load_checkpoint(path, agent=None, trust=False):
     checkpoint = read_checkpoint(path, trust)
     if not isinstance(checkpoint, dict) or not all(isinstance(checkpoint.get(k), dict) for k in KEYS):
         fail(f"{path} is not a checkpoint of oni_appo.py")
-    known = {f.name for f in dataclasses.fields(Args)}  # a flag removed since (--eval went to evaluate.py) is dropped
+    known = {f.name for f in dataclasses.fields(Args)}  # A flag removed since (--eval went to evaluate.py) is dropped.
     saved = Args(**{k: v for k, v in checkpoint["args"].items() if k in known})
     try:
         if agent is not None:
@@ -915,7 +956,7 @@ def read_checkpoint(path, trust=False):
     needs pickle (written before checkpoints held plain values only, or crafted) is refused, unless trust:
     then it is read with pickle once and rewritten in the safe format. Else a one-line error."""
     try:
-        with warnings.catch_warnings(action="ignore"):  # torch's on a foreign pickle: the error says enough
+        with warnings.catch_warnings(action="ignore"):  # Torch's warning on a foreign pickle: the error says enough.
             return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:
         if (unsafe := re.search(r"Unsupported global: GLOBAL (\S+)", str(error))) is None:
@@ -925,7 +966,7 @@ def read_checkpoint(path, trust=False):
                  "if you trust it (an older checkpoint of this project), load it once with "
                  "--trust-checkpoint, which rewrites it in the safe format")
     try:
-        checkpoint = plain(torch.load(path, map_location="cpu", weights_only=False))  # the flag trusts it
+        checkpoint = plain(torch.load(path, map_location="cpu", weights_only=False))  # The flag trusts it.
     except Exception as error:
         fail(f"cannot read checkpoint {path} with pickle: {load_error(error)}")
     write_checkpoint(checkpoint, path)
@@ -937,6 +978,37 @@ def load_error(error) -> str:
     """torch's reason in one line: its first sentence (what follows advises pickle or repeats)."""
     line = (str(error).splitlines() or [""])[0]
     return ": ".join(filter(None, (type(error).__name__, re.split(r"(?<=\w)\. ", line)[0])))
+
+
+def resume(args, agent, optimizer, intrinsic, counters):
+    """Loads args.resume's checkpoint into the policy, its optimizer, the reward and the counters; keeps the run's
+    episodes up to it and its labels. Returns the checkpoint."""
+    _, checkpoint, _ = load_checkpoint(args.resume, agent)
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    saved = checkpoint["counters"]
+    # Collection starts again at the steps learned, which checkpoints older than learned_steps call env_steps.
+    steps = saved.get("learned_steps", saved.get("env_steps", 0))
+    counters.update(collected_steps=steps, updates=saved.get("updates", 0), episodes=saved.get("episodes", 0))
+    episodes = os.path.join(args.run_dir, "episodes.jsonl")
+    if os.path.exists(episodes):  # The steps after the checkpoint are played again, and so are their episodes.
+        with open(episodes) as f:
+            kept = [e for e in f if e.endswith("\n") and json.loads(e).get("env_steps", 0) <= steps]
+        rewrite(episodes, kept)
+        counters["episodes"] = len(kept)
+    labels = os.path.join(args.run_dir, annotator.LABELS_FILE)
+    if os.path.exists(labels):  # The labels so far come back from the run's file, not asked for again.
+        intrinsic.add_labels(records := annotator.read_labels(labels))
+        rewrite(labels, [json.dumps(r) + "\n" for r in records])  # Whole lines only, since the annotator appends.
+    intrinsic.load_state_dict(checkpoint.get("intrinsic", {}))
+    print(f"resumed from {args.resume} at {steps:,} env steps")
+    return checkpoint
+
+
+def rewrite(path, lines):
+    """Rewrites a file atomically, so that a crash now cannot lose it."""
+    with open(path + ".tmp", "w") as f:
+        f.writelines(lines)
+    os.replace(path + ".tmp", path)
 
 
 def run_record(args) -> dict:
@@ -957,16 +1029,10 @@ def git_state(root=os.path.dirname(os.path.abspath(__file__))):
     try:
         def git(*argv):
             return subprocess.run(["git", *argv], cwd=root, capture_output=True, text=True, timeout=60,
-                                   check=True).stdout.strip()
+                                  check=True).stdout.strip()
         return git("rev-parse", "HEAD"), bool(git("status", "--porcelain", "--untracked-files=no"))
     except (OSError, subprocess.SubprocessError):
         return "unknown", "unknown"
-
-
-def rewrite(path, lines):  # atomically: a crash now must not lose the file
-    with open(path + ".tmp", "w") as f:
-        f.writelines(lines)
-    os.replace(path + ".tmp", path)
 
 
 def finish(run):
@@ -974,20 +1040,24 @@ def finish(run):
     args = run.args
     log_progress(run, join_episodes(run.pending, run.finished, final=True), time.time())
     llm = run.client.stats() if run.client is not None else {}
-    if llm.get("model"):  # the model the server answered as, and where the embedded one was
+    if llm.get("model"):  # The model the server answered as, and where the embedded one was.
         run.sessions[-1]["llm"].update(urls=run.client.urls, model=llm["model"])
-    totals = save(run)  # the client is closed: these are the run's totals, and the next resume goes on from them, so
-    run.intrinsic.write_messages(os.path.join(args.run_dir, "messages.tsv"))  # the session's time ends at the save
-    elapsed = totals["wall_time_s"] - run.saved_totals.get("wall_time_s", 0.0)  # (sessions summed = the run's time)
-    # figures of the whole run (over resumes): steps learned a second; "session_": this session's, steps collected
-    summary = {**run.counters, "env_steps": learned_steps(run), "sps": totals["learned_steps"] / totals["wall_time_s"],
+    # The client is closed: these are the run's totals, the next resume goes on from them, and this session's time
+    # ends at the save, so that the sessions' times sum to the run's.
+    totals = save(run)
+    run.intrinsic.write_messages(os.path.join(args.run_dir, "messages.tsv"))
+    elapsed = totals["wall_time_s"] - run.saved_totals.get("wall_time_s", 0.0)
+    # The figures of the whole run (over resumes) count the steps learned; "session_" ones this session's collected.
+    summary = {"env_steps": learned_steps(run), "updates": run.counters["updates"],
+               "episodes": run.counters["episodes"], "sps": totals["learned_steps"] / totals["wall_time_s"],
                "wall_time_s": totals["wall_time_s"],
-               "session_sps": (run.counters["env_steps"] - run.start_steps) / elapsed, "session_wall_time_s": elapsed,
+               "session_sps": (run.counters["collected_steps"] - run.start_collected) / elapsed,
+               "session_wall_time_s": elapsed,
                "policy_lag_mean": totals.get("lag_sum", 0.0) / max(totals.get("lag_steps", 0), 1),
                "intrinsic_max_reward": totals["max_reward"] if totals["max_reward"] > -math.inf else None,
                "intrinsic_terminal_step_reward": totals["terminal_paid"] / totals["terminal_steps"]
                if totals.get("terminal_steps") else None}
-    path = os.path.join(args.run_dir, "episodes.jsonl")  # all the run's episodes, resumed runs included
+    path = os.path.join(args.run_dir, "episodes.jsonl")  # All the run's episodes, resumed runs included.
     episodes = [json.loads(line) for line in open(path)] if os.path.exists(path) else []
     summary["mean_episode_return"] = float(np.mean([e["return"] for e in episodes])) if episodes else None
     for k in sorted({k for e in episodes for k in e} - {"return", "env_steps"}):

@@ -2,12 +2,14 @@
 
     python oni_appo.py --reward-type ranking
 
-Env worker processes step their envs in two halves (double buffering) into shared-memory rollout buffers; an acting
-process acts for the halves that are ready; this, the learner's process, trains on full rollouts and hands the new
-weights back; `annotator.py` (a subprocess) asks the LLM server about the messages the agent sees. See README.md.
+Env worker processes step their envs in two halves (double buffering) into shared-memory rollout buffers; one
+acting process acts for the halves that are ready; this process, the learner, trains on full rollouts and
+hands the new weights back. `annotator.py` (a subprocess) asks an LLM about the messages the agent sees and
+`reward_models.py` turns its labels into the intrinsic reward. See README.md.
+
+Sections, in the data's order: config, policy, V-trace and loss, env workers, acting process, learner,
+checkpoints and logs. A process's section opens with its outline; the rest define a thing before its use.
 """
-
-
 import collections
 import contextlib
 import dataclasses
@@ -24,7 +26,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch: idle OpenMP threads must not spin (README)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # Before torch, so that idle OpenMP threads sleep.
 import numpy as np
 import torch
 import torch.multiprocessing as mp
@@ -38,8 +40,7 @@ import reward_models
 
 
 # ---------------------------------------- config ----------------------------------------------------------
-
-
+# The flags, parsed and checked; a resume takes its checkpoint's (load_checkpoint, in the last section).
 @dataclass
 class Args:
     task: str = "NetHackScoreExtendedActions-v1"
@@ -53,11 +54,11 @@ class Args:
     num_workers: int | None = None
     """env worker processes (default: the machine's cores; with a GPU two fewer, for acting and learning)"""
     num_envs_per_worker: int | None = None
-    """envs per worker, stepped in two halves while the other half waits for actions (even; default 16, 64 on a GPU)"""
+    """envs per worker, stepped in two halves while the other waits for actions (even; default 16, GPU 64)"""
     rollout: int = 32
     """steps per rollout (the V-trace / GRU unroll length)"""
     batch_size: int | None = None
-    """env steps per learner update, a multiple of rollout * num_envs_per_worker / 2 (default 1024, 4096 on a GPU)"""
+    """env steps per update, a multiple of rollout * num_envs_per_worker / 2 (default 1024, GPU 4096)"""
     lr: float = 1e-4
     """Adam learning rate"""
     gamma: float = 0.99
@@ -83,15 +84,15 @@ class Args:
     max_episode_steps: int = envs.MAX_EPISODE_STEPS
     """time limit of an episode in steps (truncated, bootstrapped); NLE's default 5000"""
     raw_ranking: bool = False
-    """ranking: the reward model's raw output (as the reference code), not the normalized, median-thresholded one"""
+    """ranking: the reward model's raw output (as the reference code), not normalized, median-thresholded"""
     reward_model_share: float = 1.0
     """classification/ranking: the most of wall time their trainer may take (1: no rest, see README)"""
     llm_url: list[str] = field(default_factory=list)
-    """base URLs of OpenAI-compatible LLM servers, requests spread across them (none: the embedded llm_server.py)"""
+    """base URLs of OpenAI-compatible LLM servers, requests spread over them (none: embedded llm_server.py)"""
     llm_model: str | None = None
     """model name to ask for (default: the first one the server lists)"""
     llm_concurrency: int | None = None
-    """LLM requests in flight (default: 64 for --llm-url servers, which batch them; fewer for the embedded one)"""
+    """LLM requests in flight (default: 64 for --llm-url servers, which batch them; fewer for the embedded)"""
     llm_threads: int | None = None
     """CPU threads of the embedded LLM server (default: the cores left over by the env workers, >= 1)"""
     prompt_file: str | None = None
@@ -117,56 +118,65 @@ class Args:
     """wandb project"""
 
 
-# Flags that a resumed run takes from its command line; all others come from the checkpoint.
-RESUME_OVERRIDES = ("total_env_steps", "num_workers", "device", "track", "llm_url", "llm_model", "llm_concurrency",
-                    "llm_threads", "prompt_file", "checkpoint_every_s", "reward_model_share",
-                    "trust_checkpoint")
+# The flags that a resumed run takes from its command line; all others come from the checkpoint.
+RESUME_OVERRIDES = ("total_env_steps", "num_workers", "device", "track", "llm_url", "llm_model",
+                    "llm_concurrency", "llm_threads", "prompt_file", "checkpoint_every_s",
+                    "reward_model_share", "trust_checkpoint")
 
 
-def fail(message: str):  # a clear one-line error for the user, no traceback
+def fail(message: str):  # A clear one-line error for the user, with no traceback.
     raise SystemExit(f"error: {message}")
 
 
 def given_flags(argv) -> set[str]:
-    """The Args fields named on the command line (--a-b, --a_b, --a=v, --no-a), whatever their values: a resume
-    must apply `--num-workers 2` even where 2 is the default, and `--llm-url` with no URL (back to the embedded server)."""
+    """The Args fields named on the command line (--a-b, --a_b, --a=v, --no-a), whatever their values: a
+    resume applies `--num-workers 2` where 2 is the default, `--llm-url` with no URL (the embedded server)."""
     names = {f.name for f in dataclasses.fields(Args)}
     flags = {token[2:].split("=", 1)[0].replace("-", "_") for token in argv if token.startswith("--")}
     return {name if name in names else name.removeprefix("no_") for name in flags} & names
 
 
 def parse_args(argv=None) -> Args:
+    """The flags of argv (default: the command line) or of the checkpoint to resume, checked and completed."""
     argv = sys.argv[1:] if argv is None else list(argv)
     args = tyro.cli(Args, args=argv)
-    args.demos = args.demos and os.path.abspath(args.demos)  # a resume from elsewhere finds it
+    args.demos = args.demos and os.path.abspath(args.demos)  # So that a resume from elsewhere finds it.
     if args.resume is not None:
         path, _, saved = load_checkpoint(args.resume, trust=args.trust_checkpoint)
         for name in sorted(given_flags(argv) - {"resume", "run_dir"}):
             if name in RESUME_OVERRIDES:
                 setattr(saved, name, getattr(args, name))
             else:
-                print(f"--resume: ignoring --{name.replace('_', '-')}; the run keeps its saved value", file=sys.stderr)
+                print(f"--resume: ignoring --{name.replace('_', '-')}; the run keeps its saved value",
+                      file=sys.stderr)
         saved.resume, saved.run_dir = path, os.path.dirname(path)
         args = saved
     if args.task not in envs.TASKS:
         fail(f"unknown task {args.task!r}; known tasks: {', '.join(envs.TASKS)}")
     if args.reward_type not in reward_models.REWARD_TYPES:
-        fail(f"unknown reward type {args.reward_type!r}; choose one of {', '.join(reward_models.REWARD_TYPES)}")
-    gpu = torch.cuda.is_available() if args.device == "auto" else args.device.startswith("cuda")  # README: Performance
-    for name, value in dict(num_workers=max(1, (os.cpu_count() or 1) - 2 * gpu), num_envs_per_worker=64 if gpu else 16,
-                            batch_size=4096 if gpu else 1024).items():  # a resumed run has its own (not None)
+        fail(f"unknown reward type {args.reward_type!r}; "
+             f"choose one of {', '.join(reward_models.REWARD_TYPES)}")
+    # The defaults on a GPU differ (README: Performance); a resumed run has its own, which are not None.
+    gpu = torch.cuda.is_available() if args.device == "auto" else args.device.startswith("cuda")
+    defaults = dict(num_workers=max(1, (os.cpu_count() or 1) - 2 * gpu),
+                    num_envs_per_worker=64 if gpu else 16, batch_size=4096 if gpu else 1024)
+    for name, value in defaults.items():
         setattr(args, name, value if getattr(args, name) is None else getattr(args, name))
-    if min(args.num_workers, args.rollout, args.batch_size, args.num_envs_per_worker - 1) < 1 or args.num_envs_per_worker % 2:
+    if (min(args.num_workers, args.rollout, args.batch_size, args.num_envs_per_worker - 1) < 1
+            or args.num_envs_per_worker % 2):
         fail("need --num-workers, --rollout, --batch-size >= 1 and an even --num-envs-per-worker >= 2")
-    if args.max_episode_steps < 1 or (args.llm_threads is not None and args.llm_threads < 1) or not 0 < args.reward_model_share <= 1:
+    if (args.max_episode_steps < 1 or (args.llm_threads is not None and args.llm_threads < 1)
+            or not 0 < args.reward_model_share <= 1):
         fail("need --max-episode-steps >= 1, --llm-threads >= 1 and 0 < --reward-model-share <= 1")
     slot_steps = args.rollout * args.num_envs_per_worker // 2
     if args.batch_size % slot_steps:
-        fail(f"--batch-size ({args.batch_size}) must be a multiple of rollout * num_envs_per_worker / 2 = {slot_steps}")
+        fail(f"--batch-size ({args.batch_size}) must be a multiple of rollout * num_envs_per_worker / 2"
+             f" = {slot_steps}")
     if args.extrinsic_coef is None:
         args.extrinsic_coef = 0.1 if args.task.startswith("NetHackScore") else 10.0
     if args.run_dir is None:
-        args.run_dir = os.path.join("runs", f"{args.task.split('Extended')[0]}__{args.reward_type}__{args.seed}__{int(time.time())}")
+        name = f"{args.task.split('Extended')[0]}__{args.reward_type}__{args.seed}__{int(time.time())}"
+        args.run_dir = os.path.join("runs", name)
     return args
 
 
@@ -180,9 +190,8 @@ def pick_device(name):
 
 
 # ---------------------------------------- policy ----------------------------------------------------------
-
-
-CROP = 12  # the paper's crop of the map around the agent
+# The agent: an encoder of what it sees, a GRU for memory, and an actor and a critic head.
+CROP = 12  # The paper's crop of the map around the agent.
 
 
 def layer_init(layer, std=np.sqrt(2), bias=0.0):
@@ -192,62 +201,67 @@ def layer_init(layer, std=np.sqrt(2), bias=0.0):
 
 
 class Agent(nn.Module):
-    """12x12 crop (char + colour embeddings, two convs), stats and message (MLPs) -> GRU 512 -> actor and critic."""
+    """12x12 crop (char + colour embeddings, two convs), stats, message (MLPs) -> GRU 512 -> actor, critic."""
 
     def __init__(self, num_actions=len(envs.ACTIONS), hidden=512):
         super().__init__()
         self.char_embed, self.color_embed = nn.Embedding(256, 32), nn.Embedding(16, 32)
         self.crop_net = nn.Sequential(layer_init(nn.Conv2d(32, 64, 3, padding=1)), nn.ELU(),
-                                      layer_init(nn.Conv2d(64, 64, 3, stride=2, padding=1)), nn.ELU(), nn.Flatten(),
-                                      layer_init(nn.Linear(64 * (CROP // 2) ** 2, 256)), nn.ELU())
-        self.stats_net = nn.Sequential(layer_init(nn.Linear(27, 64)), nn.ELU(), layer_init(nn.Linear(64, 64)), nn.ELU())
+                                      layer_init(nn.Conv2d(64, 64, 3, stride=2, padding=1)), nn.ELU(),
+                                      nn.Flatten(), layer_init(nn.Linear(64 * (CROP // 2) ** 2, 256)),
+                                      nn.ELU())
+        self.stats_net = nn.Sequential(layer_init(nn.Linear(27, 64)), nn.ELU(),
+                                       layer_init(nn.Linear(64, 64)), nn.ELU())
         self.message_net = nn.Sequential(layer_init(nn.Linear(envs.MESSAGE_LEN, 128)), nn.ELU(),
                                          layer_init(nn.Linear(128, 128)), nn.ELU())
         self.fuse = nn.Sequential(layer_init(nn.Linear(256 + 64 + 128, hidden)), nn.ELU())
         self.gru = nn.GRUCell(hidden, hidden)
         self.actor = layer_init(nn.Linear(hidden, num_actions), std=0.01)
         self.critic = layer_init(nn.Linear(hidden, 1), std=1.0)
-        self.graphs, self.capture = {}, None  # fast_step's: batch size -> CUDA graph, inputs, outputs; (pool, stream)
+        self.graphs, self.capture = {}, None  # fast_step's CUDA graphs by batch size; their pool, stream.
 
     def encode(self, obs):
         """obs: chars/colors [N,21,79] uint8, blstats [N,27], message [N,256] -> [N, hidden]."""
         chars, colors, blstats = obs["chars"].long(), obs["colors"].long(), obs["blstats"].float()
         n, pad = chars.shape[0], CROP // 2
-        x, y = blstats[:, envs.X].long().clamp(0, 78) + pad, blstats[:, envs.Y].long().clamp(0, 20) + pad  # padded map
+        # The agent's place on the map padded by half a crop on each side.
+        x, y = blstats[:, envs.X].long().clamp(0, 78) + pad, blstats[:, envs.Y].long().clamp(0, 20) + pad
         offsets = torch.arange(-pad, CROP - pad, device=chars.device)
         rows, cols = (y[:, None] + offsets)[:, :, None], (x[:, None] + offsets)[:, None, :]
         batch = torch.arange(n, device=chars.device)[:, None, None]
         crop_chars = F.pad(chars, (pad, pad, pad, pad))[batch, rows, cols]
         crop_colors = F.pad(colors, (pad, pad, pad, pad))[batch, rows, cols]
         crop = (self.char_embed(crop_chars) + self.color_embed(crop_colors)).permute(0, 3, 1, 2)
-        stats = torch.sign(blstats) * torch.log1p(blstats.abs())  # stats span 1 to 1e6: log-scale
+        stats = torch.sign(blstats) * torch.log1p(blstats.abs())  # They span 1 to 1e6: a log scale.
         message = obs["message"].float() / 255.0
-        return self.fuse(torch.cat([self.crop_net(crop), self.stats_net(stats), self.message_net(message)], dim=1))
+        features = [self.crop_net(crop), self.stats_net(stats), self.message_net(message)]
+        return self.fuse(torch.cat(features, dim=1))
 
     def step(self, obs, h):
         h = self.gru(self.encode(obs), h)
         return self.actor(h), self.critic(h).squeeze(-1), h
 
     def fast_step(self, obs, h):
-        """step(); on a GPU under no_grad, replayed from a CUDA graph captured for this batch size: the same kernels on
-        the same weights (load_state_dict copies in place), bit-identical, 2-6x faster on an H200 (act_cost.py)."""
+        """step(); on a GPU under no_grad, for speed (act_cost.py), a replay of a CUDA graph captured for this
+        batch size: the same kernels on the same weights (load_state_dict copies in place), bit-identical."""
         if h.device.type != "cuda":
             return self.step(obs, h)
-        with torch.no_grad(), torch.cuda.device(h.device):  # capture and replay on h's GPU, not the current one
+        with torch.no_grad(), torch.cuda.device(h.device):  # On h's GPU, not the current one.
             if len(h) not in self.graphs:
                 inputs, graph = ({k: v.clone() for k, v in obs.items()}, h.clone()), torch.cuda.CUDAGraph()
-                self.step(*inputs)  # a warm-up: cuDNN and cuBLAS make their handles outside the capture
-                self.capture = self.capture or (torch.cuda.graph_pool_handle(), torch.cuda.Stream(h.device))  # all sizes share
-                with torch.cuda.graph(graph, *self.capture, capture_error_mode="thread_local"):  # only this thread's
-                    outputs = self.step(*inputs)  # work is captured, whatever other threads do on the GPU
-                self.graphs[len(h)] = graph, inputs, outputs  # kept once captured
+                self.step(*inputs)  # A warm-up: cuDNN and cuBLAS make their handles outside the capture.
+                # All batch sizes share one memory pool and one stream; only this thread's work is captured.
+                self.capture = self.capture or (torch.cuda.graph_pool_handle(), torch.cuda.Stream(h.device))
+                with torch.cuda.graph(graph, *self.capture, capture_error_mode="thread_local"):
+                    outputs = self.step(*inputs)
+                self.graphs[len(h)] = graph, inputs, outputs  # Kept once captured.
             graph, (obs_in, h_in), outputs = self.graphs[len(h)]
-            torch._foreach_copy_([*obs_in.values(), h_in], [*(obs[k] for k in obs_in), h])  # inputs in, by name
+            torch._foreach_copy_([*obs_in.values(), h_in], [*(obs[k] for k in obs_in), h])
             graph.replay()
-        return outputs  # rewritten by the next replay of any size (they share memory): act() is done with them by then
+        return outputs  # The next replay of any size rewrites them; act() is done with them by then.
 
     def unroll(self, obs, h0, cuts):
-        """obs: [T+1, B, ...]; cuts[t]: the state resets before obs t+1. Returns logits [T+1, B, A], values [T+1, B]."""
+        """obs: [T+1, B, ...]; cuts[t]: the state resets before obs t+1. -> logits [T+1, B, A], values."""
         steps, batch = obs["chars"].shape[:2]
         features = self.encode({k: v.flatten(0, 1) for k, v in obs.items()}).view(steps, batch, -1)
         h, outputs = h0, []
@@ -258,18 +272,17 @@ class Agent(nn.Module):
 
 
 # ---------------------------------------- V-trace and loss ------------------------------------------------
-
-
+# What the learner computes from a batch: end codes, V-trace targets over a rollout, the APPO loss.
 class End(enum.IntEnum):
     """Per-transition end codes in the rollout buffers."""
     RUNNING = 0
-    TERMINATED = 1  # death or success: the return is cut, the next observation starts a new episode
-    TRUNCATED = 2  # time limit: bootstrapped from its last observation, which obs t+1 shows
-    RESET = 3  # the step after a truncation only reset the env: no transition of the policy
+    TERMINATED = 1  # Death or success: the return is cut, and the next observation starts a new episode.
+    TRUNCATED = 2  # The time limit: bootstrapped from its last observation, which obs t+1 shows.
+    RESET = 3  # The step after a truncation only reset the env: it is no transition of the policy.
 
 
 def episode_cut(end):
-    """Transitions after which the next observation starts a new episode (numpy: ints, an IntEnum costs it ~4x)."""
+    """Transitions after which the next observation starts a new episode (ints: numpy is slow on IntEnums)."""
     return (end == End.TERMINATED.value) | (end == End.RESET.value)
 
 
@@ -279,8 +292,8 @@ def carry_state(h, end):
 
 
 def vtrace(rewards, values, bootstrap, discounts, rhos, cs):
-    """V-trace targets (Espeholt et al. 2018, eq. 1), recursively. rewards, discounts, rhos, cs, values: [T, B];
-    bootstrap: V(x_T) [B]. Returns vs [T, B] and the advantages rho_t (r_t + discount_t vs_{t+1} - V_t)."""
+    """V-trace targets (Espeholt et al. 2018, eq. 1), recursively. rewards, discounts, rhos, cs, values: [T,
+    B]; bootstrap: V(x_T) [B]. Returns vs [T, B], advantages rho_t (r_t + discount_t vs_{t+1} - V_t)."""
     next_values = torch.cat([values[1:], bootstrap[None]])
     deltas = rhos * (rewards + discounts * next_values - values)
     acc, vs = torch.zeros_like(bootstrap), torch.empty_like(values)
@@ -291,7 +304,7 @@ def vtrace(rewards, values, bootstrap, discounts, rhos, cs):
 
 
 def vtrace_targets(end, rewards, values, ratio, gamma):
-    """V-trace over a rollout; values: [T+1, B] (the last bootstraps). A truncation bootstraps from its real last
+    """V-trace over a rollout; values: [T+1, B] (the last bootstraps). A truncation bootstraps from its last
     observation, only true ends cut the return; a reset step is no transition (rho = c = 0, no discount)."""
     discounts = gamma * ((end == End.RUNNING) | (end == End.TRUNCATED)).float()
     clipped = ratio.clamp(max=1.0) * (end != End.RESET).float()  # rho_bar = c_bar = 1
@@ -299,13 +312,13 @@ def vtrace_targets(end, rewards, values, ratio, gamma):
 
 
 def appo_loss(agent, batch, rewards, args):
-    """Clipped PPO on V-trace advantages, value loss, entropy; sample-factory v1's coefficients (which ONI used)."""
+    """Clipped PPO on V-trace advantages, value loss, entropy; sample-factory v1's coefficients (ONI's)."""
     end = batch["end"]
-    valid = (end != End.RESET).float()  # a reset step is no transition of the policy
+    valid = (end != End.RESET).float()  # A reset step is no transition of the policy.
     logits, values = agent.unroll(batch["obs"], batch["h0"], episode_cut(end))
     log_probs = torch.log_softmax(logits[:-1], dim=-1)
     new_logp = log_probs.gather(-1, batch["action"][..., None]).squeeze(-1)
-    ratio = torch.exp(new_logp - batch["logprob"]).clamp(0.05, 20.0)  # far-off ratios are noise
+    ratio = torch.exp(new_logp - batch["logprob"]).clamp(0.05, 20.0)  # Far-off ratios are noise.
     with torch.no_grad():
         vs, advantages = vtrace_targets(end, rewards, values, ratio, args.gamma)
         n = valid.sum().clamp(min=1)
@@ -318,13 +331,13 @@ def appo_loss(agent, batch, rewards, args):
     value_loss = (((values[:-1] - vs) ** 2) * valid).sum() / n
     entropy = (-(log_probs.exp() * log_probs).sum(-1) * valid).sum() / n
     loss = policy_loss + args.vf_coef * value_loss - args.ent_coef * entropy
-    return loss, {"policy_loss": policy_loss.item(), "value_loss": value_loss.item(), "entropy": entropy.item(),
-                  "clip_fraction": (((ratio < low) | (ratio > high)).float() * valid).sum().item() / n.item()}
+    clip_fraction = (((ratio < low) | (ratio > high)).float() * valid).sum().item() / n.item()
+    return loss, {"policy_loss": policy_loss.item(), "value_loss": value_loss.item(),
+                  "entropy": entropy.item(), "clip_fraction": clip_fraction}
 
 
 # ---------------------------------------- env workers -----------------------------------------------------
-
-
+# Env worker processes step their envs, half of them per command, into the shared rollout buffers.
 OBS_FIELDS = ("chars", "colors", "blstats", "message")
 
 
@@ -337,7 +350,7 @@ def make_buffers(num_buffers, rollout, n):
         "colors": shared(rollout + 1, n, 21, 79, dtype=torch.uint8),
         "blstats": shared(rollout + 1, n, 27, dtype=torch.float32),
         "message": shared(rollout + 1, n, envs.MESSAGE_LEN, dtype=torch.uint8),
-        # the reward's input: each step's own message and its count N in the episode (at an end: not message[t+1])
+        # The reward's input: each step's own message and its count N (at an episode's end not message[t+1]).
         "step_message": shared(rollout, n, envs.MESSAGE_LEN, dtype=torch.uint8),
         "step_count": shared(rollout, n, dtype=torch.int32), "action": shared(rollout, n, dtype=torch.int64),
         "logprob": shared(rollout, n, dtype=torch.float32), "reward": shared(rollout, n, dtype=torch.float32),
@@ -346,41 +359,43 @@ def make_buffers(num_buffers, rollout, n):
 
 
 def env_worker(index, task, seed, num_envs, buffers, conn, max_episode_steps=envs.MAX_EPISODE_STEPS):
-    """Steps half of its envs per command (half, buffer, t): the actions at [buffer, t] in; reward, end code and the
-    step's own message at t and the next observation at t+1 out (t=-1: a reset into 0). A death or success resets at
-    once (obs t+1 starts the next episode); a truncation shows its last observation, then resets (end code RESET)."""
+    """Steps half of its envs per command (half, buffer, t): the actions at [buffer, t] in; the reward, end
+    code, the step's own message at t and the next observation at t+1 out (t=-1: a reset into 0). A death or
+    success resets at once (obs t+1 starts the next episode); a truncation shows its end, then resets."""
     torch.set_num_threads(1)
-    bufs, half_size, needs_reset = {k: v.numpy() for k, v in buffers.items()}, num_envs // 2, [False] * num_envs
+    bufs, half_size = {k: v.numpy() for k, v in buffers.items()}, num_envs // 2
+    needs_reset = [False] * num_envs
     seeds = [seed + index * num_envs + i for i in range(num_envs)]
     pool = [envs.make_env(task, seed=s, max_episode_steps=max_episode_steps) for s in seeds]
-    with contextlib.suppress(EOFError, OSError):  # the acting process is gone (killed): never outlive it
+    with contextlib.suppress(EOFError, OSError):  # The acting process is gone (killed): never outlive it.
         while (command := conn.recv()) is not None:
             half, b, t = command
             episodes = []
-            for j, i in enumerate(range(half * half_size, (half + 1) * half_size)):  # j: its column in the buffers
-                reward, end, message, count, stepped = 0.0, End.RESET, 0, 1, False  # a reset step produced no message
+            for j, i in enumerate(range(half * half_size, (half + 1) * half_size)):  # j: the buffers' column
+                reward, end, message, count, stepped = 0.0, End.RESET, 0, 1, False  # A reset has no message.
                 try:
                     if t < 0 or needs_reset[i]:
                         (obs, _), needs_reset[i] = pool[i].reset(), False
                     else:
                         obs, reward, terminated, truncated, info = pool[i].step(bufs["action"][b, t, j])
                         end = End.TERMINATED if terminated else End.TRUNCATED if truncated else End.RUNNING
-                        message, count, stepped = obs["message"].copy(), info["message_count"], True  # reset refills it
+                        # A copy, since the reset below refills the observation's arrays.
+                        message, count, stepped = obs["message"].copy(), info["message_count"], True
                         if terminated or truncated:
                             episodes.append((i, info["episode"]))
                         if terminated:
                             obs, _ = pool[i].reset()
                         needs_reset[i] = truncated
-                except Exception as error:  # a crashed game must not stop the run: replace it
+                except Exception as error:  # A crashed game must not stop the run: replace it.
                     print(f"worker {index}: env {i} crashed ({error!r}); recreating it", file=sys.stderr)
                     with contextlib.suppress(Exception):
                         pool[i].close()
-                    seeds[i] += 1_000_003  # another stream of games
+                    seeds[i] += 1_000_003  # Another stream of games.
                     pool[i] = envs.make_env(task, seed=seeds[i], max_episode_steps=max_episode_steps)
                     (obs, _), needs_reset[i] = pool[i].reset(), False
-                    if not stepped:  # else the step ended its episode and only the reset failed: keep it
+                    if not stepped:  # Else the step ended its episode, only the reset failed: keep it.
                         reward, end = 0.0, End.RESET
-                for k in OBS_FIELDS:  # t = -1 (the first reset) writes at 0
+                for k in OBS_FIELDS:  # At t = -1 (the first reset) this writes at 0.
                     bufs[k][b, t + 1, j] = obs[k]
                 if t >= 0:
                     bufs["step_message"][b, t, j], bufs["step_count"][b, t, j] = message, count
@@ -391,31 +406,29 @@ def env_worker(index, task, seed, num_envs, buffers, conn, max_episode_steps=env
 
 
 # ---------------------------------------- acting process --------------------------------------------------
-# One process acts for all env workers: it batches the observations of the slots that are ready, samples their
-# actions and sends each full rollout to the learner. act_process is its outline; the functions after it follow in
-# the order it calls them. It reads the learner's weights through SharedWeights, which comes first.
-
-
+# One process acts for all env workers and hands full rollouts to the learner. act_process is its outline, the
+# functions after it follow in the order it calls them; first comes SharedWeights, which brings the weights.
 LOCK_WAIT_S = 10.0  # A copy of the weights is quick: a lock held this long is held by a process that died.
 
 
 class SharedWeights:
-    """The learner's weights in shared memory for the acting process: written whole with their version (the updates
-    that made them) under a lock, and copied whole under it, so inference never acts on half an update."""
+    """The learner's weights in shared memory for the acting process, written whole with their version (the
+    updates that made them) under a lock and copied whole under it: inference never acts on half an update."""
 
     def __init__(self, agent, version):
         self.tensors = {k: v.detach().cpu().clone().share_memory_() for k, v in agent.state_dict().items()}
         self.version, self.lock = torch.tensor([version]).share_memory_(), mp.get_context("spawn").Lock()
 
     def push(self, agent, version):
-        if self.lock.acquire(timeout=LOCK_WAIT_S):  # Else the acting process died holding it: next_message says so.
+        if self.lock.acquire(timeout=LOCK_WAIT_S):  # Else the acting process died holding it.
             torch._foreach_copy_(list(self.tensors.values()), list(agent.state_dict().values()))
             self.version[0] = version
             self.lock.release()
 
     def pull(self, agent, version) -> int:
-        """Newer weights copied into agent (in place: act's CUDA graphs read them there); returns their version."""
-        if int(self.version[0]) != version and self.lock.acquire(timeout=LOCK_WAIT_S):  # Else the learner is gone.
+        """Newer weights copied into agent (in place: act's CUDA graphs read them there); their version."""
+        # A lock not taken in time: the learner is gone, and these weights stay.
+        if int(self.version[0]) != version and self.lock.acquire(timeout=LOCK_WAIT_S):
             agent.load_state_dict(self.tensors)
             version = int(self.version[0])
             self.lock.release()
@@ -425,7 +438,7 @@ class SharedWeights:
 def act_process(args, buffers, weights, full_rollouts, free_buffers, stop, collected_steps):
     """The acting process: it starts the env workers, acts for their ready slots and hands full rollouts over
     until stopped; its last message, "end", brings the steps and episodes of its last moments."""
-    torch.set_num_threads(1)  # Its CPU ops are small: more threads would only wake each other (README: Performance).
+    torch.set_num_threads(1)  # Small CPU ops: more threads would only wake each other (README).
     actor = Actor(args, buffers, weights, full_rollouts, free_buffers, stop, collected_steps)
     conns, workers = start_workers(actor)
     try:  # An exception prints its traceback; the learner, sent an end it did not ask for, stops the run.
@@ -437,10 +450,9 @@ def act_process(args, buffers, weights, full_rollouts, free_buffers, stop, colle
 
 
 class Actor:
-    """The acting process's state: the slots (each half of a worker's envs, stepped together), the rollout buffer
-    each slot fills, and the policy it acts with. Its pipes: full_rollouts sends the learner (kind, what, episodes,
-    collected steps), kind "rollout" with what = (buffer, slot); free_buffers brings the buffers the learner has
-    copied out."""
+    """The acting process's state: the slots (each half of a worker's envs, stepped together), the buffer each
+    fills, the policy it acts with. Its pipes: full_rollouts sends the learner (kind, what, episodes,
+    collected steps), ("rollout", (buffer, slot), ...) when full; free_buffers brings buffers back."""
 
     def __init__(self, args, buffers, weights, full_rollouts, free_buffers, stop, collected_steps):
         self.args, self.buffers, self.weights, self.stop = args, buffers, weights, stop
@@ -448,12 +460,13 @@ class Actor:
         self.arrays = {k: v.numpy() for k, v in buffers.items()}  # The same memory: numpy indexes it faster.
         self.collected_steps, self.device = collected_steps, pick_device(args.device)
         self.agent = Agent().to(self.device).eval()
-        self.version = weights.pull(self.agent, -1)  # Of the weights in agent: the number of updates that made them.
+        self.version = weights.pull(self.agent, -1)  # The updates that made the weights in agent.
         num_slots, self.envs_per_slot = 2 * args.num_workers, args.num_envs_per_worker // 2
-        self.empty_buffers, self.episodes = [], []  # The episodes that ended since the last message to the learner.
+        self.empty_buffers, self.episodes = [], []  # The episodes ended since the last message.
         self.slot_buffer, self.slot_t = list(range(num_slots)), [0] * num_slots
-        self.hidden = torch.zeros(num_slots, self.envs_per_slot, self.agent.gru.hidden_size, device=self.device)
-        # Each slot samples from its own stream, so the same seed gives the same actions whichever slots are batched.
+        self.hidden = torch.zeros(num_slots, self.envs_per_slot, self.agent.gru.hidden_size,
+                                  device=self.device)
+        # Each slot samples its own stream: a seed gives the same actions however the slots are batched.
         self.samplers = [np.random.default_rng(args.seed * 1_000_003 + 7919 * s + self.version)
                          for s in range(num_slots)]
 
@@ -463,8 +476,9 @@ def start_workers(actor):
     args, ctx, conns, workers = actor.args, mp.get_context("spawn"), [], []
     for w in range(args.num_workers):
         parent, child = ctx.Pipe()
-        proc = ctx.Process(target=env_worker, daemon=True, args=(w, args.task, args.seed * 1_000_003 + actor.version,
-                           args.num_envs_per_worker, actor.buffers, child, args.max_episode_steps))
+        seed = args.seed * 1_000_003 + actor.version  # A resume plays other games than the run's start.
+        proc = ctx.Process(target=env_worker, daemon=True, args=(
+            w, args.task, seed, args.num_envs_per_worker, actor.buffers, child, args.max_episode_steps))
         proc.start()
         conns.append(parent)
         workers.append(proc)
@@ -478,7 +492,7 @@ def collect(actor, conns):
     waiting = []
     while not actor.stop.value:
         ready = waiting + receive(actor, conns)  # Slots that waited for an empty buffer go first.
-        # Back-pressure: a slot at the end of its rollout waits while no buffer is empty (the learner is behind).
+        # Back-pressure: a full slot waits while no buffer is empty (the learner is behind).
         waiting = [s for s in ready if actor.slot_t[s] == actor.args.rollout and not hand_over(actor, s)]
         acting = [s for s in ready if s not in waiting]
         if acting:
@@ -486,7 +500,7 @@ def collect(actor, conns):
 
 
 def receive(actor, conns):
-    """The slots whose envs finished a step (the episodes those steps ended noted); free buffers from the learner."""
+    """The slots whose envs finished a step (the episodes they ended noted); free buffers from the learner."""
     ready, learner = [], multiprocessing.parent_process().sentinel
     signalled = multiprocessing.connection.wait([*conns, actor.free_buffers, learner], timeout=0.1)
     if learner in signalled:
@@ -505,7 +519,8 @@ def receive(actor, conns):
                 actor.stop.value = 1
                 break
             ready.append(2 * w + half)
-            actor.episodes += [(w * actor.args.num_envs_per_worker + i, dict(episode, env_steps=actor.collected_steps))
+            first_env = w * actor.args.num_envs_per_worker
+            actor.episodes += [(first_env + i, dict(episode, env_steps=actor.collected_steps))
                                for i, episode in episodes]
     return ready
 
@@ -525,25 +540,26 @@ def hand_over(actor, s):
 
 
 def act(actor, conns, slots):
-    """One batched inference step for these slots, written into their buffers at their t; then their workers step."""
+    """One batched inference step for these slots, into their buffers at their t; then workers step."""
     arrays, n = actor.arrays, actor.envs_per_slot
     places = [(actor.slot_buffer[s], actor.slot_t[s]) for s in slots]  # A slot's observations are one slice.
     obs = {k: torch.from_numpy(np.concatenate([arrays[k][b, t] for b, t in places])).to(actor.device)
            for k in OBS_FIELDS}
     # At t = 0 the state was carried over at the hand-over; after that, it resets where an episode ended.
-    cut = np.concatenate([episode_cut(arrays["end"][b, t - 1]) if t else np.zeros(n, bool) for b, t in places])
+    cut = np.concatenate([episode_cut(arrays["end"][b, t - 1]) if t else np.zeros(n, bool)
+                          for b, t in places])
     h = torch.cat([actor.hidden[s] for s in slots]) * torch.from_numpy(~cut[:, None]).to(actor.device)
     actor.version = actor.weights.pull(actor.agent, actor.version)  # The newest whole update.
     with torch.no_grad():
         logits, _, h_new = actor.agent.fast_step(obs, h)
         log_probs = torch.log_softmax(logits.float(), dim=-1).cpu().numpy()
-    for i, (s, (b, t)) in enumerate(zip(slots, places)):  # Gumbel-max sampling from each slot's own stream of noise.
+    for i, (s, (b, t)) in enumerate(zip(slots, places)):  # Gumbel-max, from each slot's own noise.
         noise = actor.samplers[s].random((n, log_probs.shape[1]), np.float32)
         mine = log_probs[i * n:(i + 1) * n]
         arrays["action"][b, t] = action = (mine - np.log(-np.log(np.maximum(noise, 1e-20)))).argmax(-1)
         arrays["logprob"][b, t], arrays["version"][b, t] = mine[np.arange(n), action], actor.version
         actor.hidden[s] = h_new[i * n:(i + 1) * n]
-        with contextlib.suppress(OSError):  # A worker that died: receive() finds its pipe closed and stops the run.
+        with contextlib.suppress(OSError):  # A dead worker: receive() finds its pipe closed, stops the run.
             conns[s // 2].send((s % 2, b, t))
         actor.slot_t[s] = t + 1
     actor.collected_steps += len(slots) * n
@@ -559,18 +575,14 @@ def stop_workers(conns, workers):
 
 
 # ---------------------------------------- learner ---------------------------------------------------------
-# This process: it turns batches of full rollouts into rewards and APPO updates, and hands the new weights to the
-# acting process. train is the outline; the functions after it follow in the order it calls them. They call the
-# last section's functions for checkpoints and logs.
-
-
+# This process: full rollouts -> rewards -> APPO updates -> weights. train is the outline, the functions after
+# it follow in the order it calls them; they call the last section's to checkpoint and log.
 TORCH_THREADS = torch.get_num_threads()  # The learner's, read before any thread changes the default.
 
 
 def train(args):
-    """A run: set_up builds the learner's side (a Run), start_acting starts the acting process, learn trains until
-    --total-env-steps are learned or a stop, end_acting stops the acting process and finish writes the last log,
-    checkpoint and summary.json."""
+    """A run: set_up builds the learner's side (a Run), start_acting starts the acting process, learn trains
+    until --total-env-steps are learned or a stop, end_acting stops it, finish writes the last logs."""
     run = set_up(args)
     start_acting(run)
     run.start_time = time.time()
@@ -590,9 +602,8 @@ def train(args):
 
 @dataclass
 class Run:
-    """The learner's side of a run, this process. It shares the rollout buffers, the weights and the stop flag with
-    the acting process, and two pipes: full rollouts come from it, free buffers go back (start_acting makes them).
-    Two processes, so that acting and learning each have a GIL of their own."""
+    """The learner's side of a run, this process. It shares the rollout buffers, the weights, the stop flag
+    and two pipes (full rollouts in, free buffers out) with the acting process: each has a GIL of its own."""
     args: Args
     device: torch.device
     agent: Agent
@@ -600,10 +611,10 @@ class Run:
     intrinsic: reward_models.IntrinsicReward
     client: annotator.LabelClient | None  # The annotator's: label requests go out, labels come in.
     writer: object  # Tensorboard's SummaryWriter; wandb syncs from it with --track.
-    # collected_steps (as the acting process last said), updates (= the policy version) and episodes. Collection
-    # runs ahead of learning: the steps learned are learned_steps(run), what checkpoints and summary.json count.
+    # collected_steps (as the acting process last said), updates (= the policy version), episodes. Collection
+    # runs ahead: the steps learned, which checkpoints and summary.json count, are learned_steps(run).
     counters: dict
-    saved_totals: dict  # The run's totals up to the checkpoint it resumed from; run_totals adds this session's.
+    saved_totals: dict  # The run's totals at the checkpoint it resumed from; run_totals adds this session's.
     sessions: list  # The run_record() of each session, this one last.
     buffers: dict  # The rollout buffers (make_buffers): enough for the slots in flight and one batch.
     weights: SharedWeights
@@ -617,18 +628,17 @@ class Run:
     acting: object = None  # The acting process, and the learner's ends of its two pipes (start_acting).
     full_rollouts: object = None
     free_buffers: object = None
-    updates: collections.deque = field(default_factory=collections.deque)  # Each update's figures, for the log.
+    updates: collections.deque = field(default_factory=collections.deque)  # Figures of each update, to log.
     losses: dict = field(default_factory=dict)
     sums: collections.Counter = field(default_factory=collections.Counter)  # This session's sums (see learn).
-    failure: str | None = None  # A fatal LLM error, or an env worker or the acting process gone: saved, then said.
+    failure: str | None = None  # A fatal LLM error, a dead env worker or acting process: saved, then said.
     ended: bool = False  # Nothing more comes from the acting process: its "end" was read, or its pipe closed.
-    start_time: float = field(default_factory=time.time)  # train() sets it again once the acting process runs.
-    stop: object = field(default_factory=lambda: mp.get_context("spawn").RawValue("b", 0))  # Either process sets it.
+    start_time: float = field(default_factory=time.time)  # Set again once the acting process runs.
+    stop: object = field(default_factory=lambda: mp.get_context("spawn").RawValue("b", 0))
 
 
 def set_up(args) -> Run:
-    """The learner's side of a run: the policy and its optimizer, the reward, the label client, the log writer and
-    the rollout buffers; on a resume, from the checkpoint."""
+    """The learner's side of a run (on a resume, from the checkpoint), its label client, trainer started."""
     os.makedirs(args.run_dir, exist_ok=True)
     sessions = [run_record(args)]
     print(f"run record: {json.dumps(sessions[0])}", flush=True)  # First, so that a console.log opens with it.
@@ -652,27 +662,27 @@ def set_up(args) -> Run:
     # The slots in flight and one batch, which fills while the learner learns; more would only add policy lag.
     buffers = make_buffers(2 * args.num_workers + buffers_per_batch, args.rollout, envs_per_slot)
     num_envs = args.num_workers * args.num_envs_per_worker
-    return Run(args, device, agent, optimizer, intrinsic, client, writer, counters, saved_totals, sessions, buffers,
-               SharedWeights(agent, counters["updates"]), envs_per_slot, buffers_per_batch,
-               pending=[collections.deque() for _ in range(num_envs)],
-               finished=[collections.deque() for _ in range(num_envs)], intrinsic_totals=np.zeros((num_envs, 3)),
-               start_collected=counters["collected_steps"], start_learned=counters["updates"] * args.batch_size)
+    pending, finished = ([collections.deque() for _ in range(num_envs)] for _ in range(2))
+    start = counters["collected_steps"], counters["updates"] * args.batch_size  # Collected, learned.
+    return Run(args, device, agent, optimizer, intrinsic, client, writer, counters, saved_totals, sessions,
+               buffers, SharedWeights(agent, counters["updates"]), envs_per_slot, buffers_per_batch, pending,
+               finished, np.zeros((num_envs, 3)), *start)
 
 
 def start_acting(run):
-    """Starts the acting process with the buffers, the weights, the stop flag and the two pipes it shares with this
-    one. It ignores Ctrl-C and SIGTERM, as its env workers then do (both reach the whole process group from a
-    terminal or a scheduler): this process alone stops them, with the stop flag, at an update's end."""
+    """Starts the acting process, ignoring Ctrl-C and SIGTERM as its env workers then do (both reach the whole
+    process group): this process alone stops them, with the stop flag, at an update's end."""
     run.full_rollouts, full_rollouts_out = mp.Pipe(duplex=False)
     free_buffers_in, run.free_buffers = mp.Pipe(duplex=False)
-    run.free_buffers.send(list(range(2 * run.args.num_workers, len(run.buffers["h0"]))))  # Slot s starts in buffer s.
-    run.acting = mp.get_context("spawn").Process(target=act_process, args=(  # Not a daemon: it starts the workers.
+    # Slot s starts in buffer s.
+    run.free_buffers.send(list(range(2 * run.args.num_workers, len(run.buffers["h0"]))))
+    run.acting = mp.get_context("spawn").Process(target=act_process, args=(  # No daemon: it starts workers.
         run.args, run.buffers, run.weights, full_rollouts_out, free_buffers_in, run.stop,
         run.counters["collected_steps"]))
     for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, signal.SIG_IGN)  # Inherited at the spawn, so that no child dies mid-import either.
+        signal.signal(signum, signal.SIG_IGN)  # Inherited at the spawn: no child dies mid-import either.
     run.acting.start()
-    full_rollouts_out.close()  # That end is the acting process's alone now: the pipe closes when that process dies.
+    full_rollouts_out.close()  # The acting process's end alone now: the pipe closes when it dies.
 
     def request_stop(signum, frame):
         if run.stop.value:
@@ -684,26 +694,25 @@ def start_acting(run):
 
 
 def learn(run):
-    """Batches of full rollouts -> rewards (extrinsic + intrinsic) -> one APPO update -> the new weights to the
-    acting process; then the new LLM labels go in. Logs and checkpoints come between two updates, so that
-    checkpoints hold whole updates."""
+    """Batches of full rollouts -> rewards (extrinsic + intrinsic) -> an APPO update -> the new weights to the
+    acting process; then the new LLM labels go in. Checkpoints come between updates: they hold whole ones."""
     torch.set_num_threads(TORCH_THREADS)  # The reward model's trainer thread sets its own: not this thread's.
     last_log = last_checkpoint = time.time()
     while (rollouts := next_batch(run)) is not None:
         batch, step_message, env_ids, lag = take_batch(run, rollouts)
         started = time.perf_counter()
         terminal = batch["end"] == End.TERMINATED  # summary.json's means are over steps, not over batches.
-        rewards, paid, reward_stats = run.intrinsic.rewards(batch["reward"], step_message, batch["step_count"],
-                                                            terminal)
+        rewards, paid, reward_stats = run.intrinsic.rewards(batch["reward"], step_message,
+                                                            batch["step_count"], terminal)
         add_intrinsic_episodes(run.intrinsic_totals, run.finished, paid, batch["end"], env_ids)
-        run.sums.update(lag_sum=lag.sum().item(), lag_steps=lag.numel(), terminal_paid=paid[terminal].sum().item(),
-                        terminal_steps=terminal.sum().item())
+        run.sums.update(lag_sum=lag.sum().item(), lag_steps=lag.numel(),
+                        terminal_paid=paid[terminal].sum().item(), terminal_steps=terminal.sum().item())
         run.sums["max_reward"] = max(run.sums.get("max_reward", -math.inf), paid.max().item())
         intrinsic_done = time.perf_counter()
         losses = update_policy(run, batch, rewards)
         if run.client is not None:  # Here labels enter the reward, and captions leave for the LLM.
-            # A fatal LLM error stops the run; a dead annotator is restarted and asked again, but not in a stop,
-            # where the SIGTERM to the process group killed it.
+            # A fatal LLM error stops the run; a dead annotator is restarted and asked again, but not in a
+            # stop, where the SIGTERM to the process group killed it.
             if not run.stop.value and run.client.check():
                 run.client.request(*run.intrinsic.unanswered())
             run.intrinsic.add_labels(run.client.new_records())
@@ -720,7 +729,7 @@ def learn(run):
 
 
 def next_batch(run):
-    """The (buffer, slot) of the next buffers_per_batch full rollouts; None once stopped or every step is learned."""
+    """The (buffer, slot) of the next buffers_per_batch full rollouts; None once stopped or all learned."""
     rollouts = []
     while len(rollouts) < run.buffers_per_batch:
         if run.stop.value or learned_steps(run) >= run.args.total_env_steps:
@@ -731,13 +740,12 @@ def next_batch(run):
 
 
 def next_message(run, timeout):
-    """The acting process's next message (kind, what) or (None, None); its steps and episodes noted; a failure
-    stops the run."""
+    """The acting process's next message (kind, what) or (None, None); steps, episodes noted."""
     if not run.full_rollouts.poll(timeout):
         return None, None
     try:
         kind, what, episodes, run.counters["collected_steps"] = run.full_rollouts.recv()
-    except (EOFError, OSError):  # Its end of the pipe closed before an "end": it died (kill -9, OOM), mid-message.
+    except (EOFError, OSError):  # The pipe closed before an "end": it died (kill -9, OOM), mid-message.
         run.ended, run.failure, run.stop.value = True, run.failure or "the acting process died", 1
         return None, None
     run.ended |= kind == "end"
@@ -752,7 +760,7 @@ def next_message(run, timeout):
 
 def take_batch(run, rollouts):
     """Copies the rollouts out of their buffers ([buffer, t, env] -> [t, buffer * env]) and frees them."""
-    ids = [b for b, _ in rollouts]  # Each rollout is one slice of its buffer: stacked, which is quicker than a gather.
+    ids = [b for b, _ in rollouts]  # One slice of a buffer each: stacked, quicker than a gather.
     data = {k: torch.stack([v[b] for b in ids], 1).flatten(1, 2)
             for k, v in run.buffers.items() if k not in ("h0", "version")}
     batch = {k: data[k].to(run.device) for k in ("action", "logprob", "end", "reward", "step_count")}
@@ -761,7 +769,7 @@ def take_batch(run, rollouts):
     env_ids = np.concatenate([s * run.envs_per_slot + np.arange(run.envs_per_slot) for _, s in rollouts])
     lag = run.counters["updates"] - run.buffers["version"][ids].float()
     run.free_buffers.send(ids)
-    return batch, data["step_message"], env_ids, lag  # The messages stay on the CPU, where np.unique finds them.
+    return batch, data["step_message"], env_ids, lag  # The messages stay on the CPU, for np.unique.
 
 
 def update_policy(run, batch, rewards):
@@ -790,22 +798,26 @@ def end_acting(run):
 
 
 # ---------------------------------------- checkpoints and logs --------------------------------------------
-# What the learner writes and reads back: the episodes and progress it logs, its checkpoints, and the record of
-# what made each session; finish, the last of train's steps, comes last.
+# What the learner logs, checkpoints and reads back; finish, the last of train's steps, comes last.
+LLM_COUNTS = ("requests", "labels", "failures", "parse_failures", "dropped", "restarts")  # Summed in totals.
+KEYS = ("model", "args", "counters")  # The dicts in every checkpoint of oni_appo.py.
+SAFE = {str, int, float, bool, type(None), torch.Tensor}  # And dicts, lists, tuples: what weights_only reads.
 
 
 def add_intrinsic_episodes(totals, finished, paid, end, env_ids):
-    """paid (R / N^beta), end: [T, B], rollouts side by side, each env's in time order (one env may have two);
-    env_ids: [B]. Sums each env's episode in totals [envs, 3]; at its end, its intrinsic return and the share of
-    its steps that were rewarded go to finished."""
-    order = np.argsort(env_ids, kind="stable")  # One run of steps per env, in time order, for a segmented sum.
-    paid, end = paid.cpu().numpy()[:, order].T.ravel().astype(np.float64), end.cpu().numpy()[:, order].T.ravel()
+    """paid (R / N^beta), end: [T, B]: rollouts side by side, each env's in time order (one env may have two);
+    env_ids: [B]. Sums each env's episode in totals [envs, 3]; its return, rewarded share go to finished."""
+    order = np.argsort(env_ids, kind="stable")  # One run of steps per env, in time order: a segmented sum.
+    paid = paid.cpu().numpy()[:, order].T.ravel().astype(np.float64)
+    end = end.cpu().numpy()[:, order].T.ravel()
     env = np.repeat(env_ids[order], len(end) // len(order))
-    steps = np.stack([paid, paid != 0, np.ones_like(paid)], 1) * (end != End.RESET)[:, None]  # A reset step: none.
+    # A reset step: none.
+    steps = np.stack([paid, paid != 0, np.ones_like(paid)], 1) * (end != End.RESET)[:, None]
     first, last = np.r_[True, env[1:] != env[:-1]], np.r_[env[1:] != env[:-1], True]
     steps[first] += totals[env[first]] * (end[first] != End.RESET)[:, None]  # Episodes in progress go on.
     done = (end == End.TERMINATED) | (end == End.TRUNCATED)
-    starts = np.flatnonzero(first | (end == End.RESET) | np.r_[False, done[:-1]])  # A reset drops its episode.
+    # A reset drops its episode.
+    starts = np.flatnonzero(first | (end == End.RESET) | np.r_[False, done[:-1]])
     sums, ends = np.add.reduceat(steps, starts), np.r_[starts[1:], len(end)] - 1
     totals[env[first]], going_on = 0.0, last[ends] & ~done[ends]
     totals[env[ends[going_on]]] = sums[going_on]
@@ -814,16 +826,16 @@ def add_intrinsic_episodes(totals, finished, paid, end, env_ids):
 
 
 def join_episodes(pending, finished, final=False):
-    """Workers' episodes joined with the learner's intrinsic totals of them (per env, both in order); final: all."""
+    """Workers' episodes joined with the learner's intrinsic totals (per env, both in order); final: all."""
     out = []
     for worker_episodes, learner_episodes in zip(pending, finished):
         while worker_episodes and (learner_episodes or final):
-            out.append({**worker_episodes.popleft(), **(learner_episodes.popleft() if learner_episodes else {})})
+            intrinsic = learner_episodes.popleft() if learner_episodes else {}
+            out.append({**worker_episodes.popleft(), **intrinsic})
     return sorted(out, key=lambda e: e["env_steps"])
 
 
-def make_writer(args):
-    """Tensorboard's SummaryWriter in the run dir; with --track, wandb syncs from it."""
+def make_writer(args):  # Tensorboard's, in the run dir; with --track, wandb syncs from it.
     from torch.utils.tensorboard import SummaryWriter
     if args.track:
         try:
@@ -847,9 +859,11 @@ def log_progress(run, episodes, now):
                for k, v in figures.items()}
     lag_mean, lag_max = figures.pop("lag_mean", 0.0), int(figures.pop("lag_max", 0))
     llm = run.client.stats() if run.client is not None else {}
-    if llm:  # The whole run's counts, as in summary.json; a new dict, since after close() stats() returns its own.
-        llm = {**llm, **{k.removeprefix("llm_"): v for k, v in run_totals(run, llm).items() if k.startswith("llm_")}}
-    charts = {"SPS": sps, "policy_lag_mean": lag_mean, "policy_lag_max": lag_max, "updates": run.counters["updates"]}
+    if llm:  # The whole run's counts, as in summary.json (new: after close(), stats() returns its own).
+        llm = {**llm, **{k.removeprefix("llm_"): v for k, v in run_totals(run, llm).items()
+                         if k.startswith("llm_")}}
+    charts = {"SPS": sps, "policy_lag_mean": lag_mean, "policy_lag_max": lag_max,
+              "updates": run.counters["updates"]}
     for prefix, values in (("charts", charts), ("losses", run.losses), ("intrinsic", figures), ("llm", llm)):
         add_scalars(writer, prefix, values, steps)
     for e in episodes:
@@ -862,8 +876,8 @@ def log_progress(run, episodes, now):
     labels = (f" | llm labels {llm.get('labels', 0):,} fail {llm.get('failures', 0):,} "
               f"backlog {llm.get('backlog', 0):,}") if llm else ""
     print(f"steps {steps:>13,} | {sps:8,.0f} steps/s | episodes {run.counters['episodes']:>7,} | "
-          f"return {mean_return} | lag {lag_mean:4.1f}/{lag_max:<3d} | updates {run.counters['updates']:,}{labels}",
-          flush=True)
+          f"return {mean_return} | lag {lag_mean:4.1f}/{lag_max:<3d} | "
+          f"updates {run.counters['updates']:,}{labels}", flush=True)
 
 
 def add_scalars(writer, prefix, values, step):
@@ -872,12 +886,8 @@ def add_scalars(writer, prefix, values, step):
             writer.add_scalar(f"{prefix}/{k}", v, step)
 
 
-LLM_COUNTS = ("requests", "labels", "failures", "parse_failures", "dropped", "restarts")  # Summed over resumes.
-
-
 def save(run):
-    """The checkpoint: the policy, its optimizer, the reward model, the counters at the steps learned (a resume
-    collects again what was not learned), the flags, the run's totals and its sessions. Returns the totals."""
+    """The checkpoint at the steps learned (a resume collects again the rest); returns the totals."""
     totals = run_totals(run, run.client.stats() if run.client is not None else {})
     counters = dict(learned_steps=learned_steps(run), updates=run.counters["updates"],
                     episodes=run.counters["episodes"])
@@ -889,23 +899,21 @@ def save(run):
 
 
 def run_totals(run, llm) -> dict:
-    """The whole run's sums over any number of resumes: the checkpoint's plus this session's (the learner's sums,
-    its wall time and steps learned, the counts in the annotator's stats `llm`, which start at 0 in each session)."""
+    """The whole run's sums over resumes: the checkpoint's plus this session's (the learner's sums, its wall
+    time and steps learned, the counts in the annotator's stats `llm`, which start at 0 in each session)."""
     session = dict(run.sums, wall_time_s=time.time() - run.start_time,
                    learned_steps=learned_steps(run) - run.start_learned,
                    **{f"llm_{k}": llm.get(k, 0) for k in LLM_COUNTS})
     totals = {k: run.saved_totals.get(k, 0) + session.get(k, 0)
               for k in {*run.saved_totals, *session} - {"max_reward"}}
-    totals["max_reward"] = max(run.saved_totals.get("max_reward", -math.inf), run.sums.get("max_reward", -math.inf))
+    totals["max_reward"] = max(run.saved_totals.get("max_reward", -math.inf),
+                               run.sums.get("max_reward", -math.inf))
     return totals
 
 
 def write_checkpoint(state, path):
     torch.save(plain(state), path + ".tmp")
     os.replace(path + ".tmp", path)  # Never leave a half-written checkpoint.
-
-
-SAFE = {str, int, float, bool, type(None), torch.Tensor}  # With dicts, lists and tuples: what weights_only reads.
 
 
 def plain(value):
@@ -929,9 +937,6 @@ def plain(value):
     raise TypeError(f"a checkpoint cannot hold a {type(value).__name__}")
 
 
-KEYS = ("model", "args", "counters")  # The dicts in every checkpoint of oni_appo.py.
-
-
 def load_checkpoint(path, agent=None, trust=False):
     """(file, checkpoint, its Args) of a checkpoint file or run dir, the policy into agent; else a one-line
     error. trust: one that needs pickle is read with it and rewritten safe (see read_checkpoint)."""
@@ -941,7 +946,8 @@ def load_checkpoint(path, agent=None, trust=False):
     checkpoint = read_checkpoint(path, trust)
     if not isinstance(checkpoint, dict) or not all(isinstance(checkpoint.get(k), dict) for k in KEYS):
         fail(f"{path} is not a checkpoint of oni_appo.py")
-    known = {f.name for f in dataclasses.fields(Args)}  # A flag removed since (--eval went to evaluate.py) is dropped.
+    # A flag removed since (--eval went to evaluate.py) is dropped.
+    known = {f.name for f in dataclasses.fields(Args)}
     saved = Args(**{k: v for k, v in checkpoint["args"].items() if k in known})
     try:
         if agent is not None:
@@ -956,7 +962,7 @@ def read_checkpoint(path, trust=False):
     needs pickle (written before checkpoints held plain values only, or crafted) is refused, unless trust:
     then it is read with pickle once and rewritten in the safe format. Else a one-line error."""
     try:
-        with warnings.catch_warnings(action="ignore"):  # Torch's warning on a foreign pickle: the error says enough.
+        with warnings.catch_warnings(action="ignore"):  # Torch's warning on pickles: the error says enough.
             return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:
         if (unsafe := re.search(r"Unsupported global: GLOBAL (\S+)", str(error))) is None:
@@ -981,8 +987,7 @@ def load_error(error) -> str:
 
 
 def resume(args, agent, optimizer, intrinsic, counters):
-    """Loads args.resume's checkpoint into the policy, its optimizer, the reward and the counters; keeps the run's
-    episodes up to it and its labels. Returns the checkpoint."""
+    """Loads args.resume's checkpoint (policy, optimizer, reward, counters), the run's episodes and labels."""
     _, checkpoint, _ = load_checkpoint(args.resume, agent)
     optimizer.load_state_dict(checkpoint["optimizer"])
     saved = checkpoint["counters"]
@@ -990,7 +995,7 @@ def resume(args, agent, optimizer, intrinsic, counters):
     steps = saved.get("learned_steps", saved.get("env_steps", 0))
     counters.update(collected_steps=steps, updates=saved.get("updates", 0), episodes=saved.get("episodes", 0))
     episodes = os.path.join(args.run_dir, "episodes.jsonl")
-    if os.path.exists(episodes):  # The steps after the checkpoint are played again, and so are their episodes.
+    if os.path.exists(episodes):  # The steps after the checkpoint are played again, their episodes too.
         with open(episodes) as f:
             kept = [e for e in f if e.endswith("\n") and json.loads(e).get("env_steps", 0) <= steps]
         rewrite(episodes, kept)
@@ -998,14 +1003,13 @@ def resume(args, agent, optimizer, intrinsic, counters):
     labels = os.path.join(args.run_dir, annotator.LABELS_FILE)
     if os.path.exists(labels):  # The labels so far come back from the run's file, not asked for again.
         intrinsic.add_labels(records := annotator.read_labels(labels))
-        rewrite(labels, [json.dumps(r) + "\n" for r in records])  # Whole lines only, since the annotator appends.
+        rewrite(labels, [json.dumps(r) + "\n" for r in records])  # Whole lines: the annotator appends.
     intrinsic.load_state_dict(checkpoint.get("intrinsic", {}))
     print(f"resumed from {args.resume} at {steps:,} env steps")
     return checkpoint
 
 
-def rewrite(path, lines):
-    """Rewrites a file atomically, so that a crash now cannot lose it."""
+def rewrite(path, lines):  # Atomically, so that a crash now cannot lose the file.
     with open(path + ".tmp", "w") as f:
         f.writelines(lines)
     os.replace(path + ".tmp", path)
@@ -1042,12 +1046,12 @@ def finish(run):
     llm = run.client.stats() if run.client is not None else {}
     if llm.get("model"):  # The model the server answered as, and where the embedded one was.
         run.sessions[-1]["llm"].update(urls=run.client.urls, model=llm["model"])
-    # The client is closed: these are the run's totals, the next resume goes on from them, and this session's time
-    # ends at the save, so that the sessions' times sum to the run's.
+    # The client is closed: these are the run's totals, the next resume goes on from them, and this session's
+    # time ends at the save, so that the sessions' times sum to the run's.
     totals = save(run)
     run.intrinsic.write_messages(os.path.join(args.run_dir, "messages.tsv"))
     elapsed = totals["wall_time_s"] - run.saved_totals.get("wall_time_s", 0.0)
-    # The figures of the whole run (over resumes) count the steps learned; "session_" ones this session's collected.
+    # The whole run's figures count the steps learned; the session_ ones this session's steps collected.
     summary = {"env_steps": learned_steps(run), "updates": run.counters["updates"],
                "episodes": run.counters["episodes"], "sps": totals["learned_steps"] / totals["wall_time_s"],
                "wall_time_s": totals["wall_time_s"],
@@ -1063,7 +1067,8 @@ def finish(run):
     for k in sorted({k for e in episodes for k in e} - {"return", "env_steps"}):
         summary[f"mean_{k}"] = float(np.mean([e[k] for e in episodes if k in e]))
     summary.update({"llm_labels": totals["llm_labels"], "llm_failures": totals["llm_failures"],
-                    "llm_parse_failures": totals["llm_parse_failures"], "annotator_restarts": totals["llm_restarts"],
+                    "llm_parse_failures": totals["llm_parse_failures"],
+                    "annotator_restarts": totals["llm_restarts"],
                     "llm_answers_restricted": llm.get("answers_restricted"),
                     "llm_answers_scored": llm.get("answers_scored"), "sessions": run.sessions})
     with open(os.path.join(args.run_dir, "summary.json"), "w") as f:

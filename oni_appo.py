@@ -462,7 +462,7 @@ class Actor:
         self.agent = Agent().to(self.device).eval()
         self.version = weights.pull(self.agent, -1)  # The updates that made the weights in agent.
         num_slots, self.envs_per_slot = 2 * args.num_workers, args.num_envs_per_worker // 2
-        self.empty_buffers, self.episodes = [], []  # The episodes ended since the last message.
+        self.empty_buffers, self.episodes = [], []  # The episodes: those ended since the last message.
         self.slot_buffer, self.slot_t = list(range(num_slots)), [0] * num_slots
         self.hidden = torch.zeros(num_slots, self.envs_per_slot, self.agent.gru.hidden_size,
                                   device=self.device)
@@ -582,7 +582,7 @@ TORCH_THREADS = torch.get_num_threads()  # The learner's, read before any thread
 
 def train(args):
     """A run: set_up builds the learner's side (a Run), start_acting starts the acting process, learn trains
-    until --total-env-steps are learned or a stop, end_acting stops it, finish writes the last logs."""
+    until --total-env-steps are learned or a stop, end_acting stops it, finish writes the summary."""
     run = set_up(args)
     start_acting(run)
     run.start_time = time.time()

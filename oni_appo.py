@@ -2,9 +2,13 @@
 
     python oni_appo.py --reward-type ranking
 
-Env worker processes step their envs in two halves (double buffering) into shared-memory rollout buffers; an acting
-process acts for the halves that are ready; this, the learner's process, trains on full rollouts and hands the new
-weights back; `annotator.py` (a subprocess) asks the LLM server about the messages the agent sees. See README.md.
+Env worker processes step their envs in two halves (double buffering) into shared-memory rollout buffers; one
+acting process acts for the halves that are ready; this process, the learner, trains on full rollouts and
+hands the new weights back. `annotator.py` (a subprocess) asks an LLM about the messages the agent sees and
+`reward_models.py` turns its labels into the intrinsic reward. See README.md.
+
+Sections, in the data's order: config, policy, V-trace and loss, env workers, acting process, learner,
+checkpoints and logs. A process's section opens with its outline; the rest define a thing before its use.
 """
 import collections
 import contextlib
@@ -22,7 +26,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch: idle OpenMP threads must not spin (README)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # Before torch, so that idle OpenMP threads sleep.
 import numpy as np
 import torch
 import torch.multiprocessing as mp
@@ -35,6 +39,8 @@ import envs
 import reward_models
 
 
+# ---------------------------------------- config ----------------------------------------------------------
+# The flags, parsed and checked; a resume takes its checkpoint's (load_checkpoint, in the last section).
 @dataclass
 class Args:
     task: str = "NetHackScoreExtendedActions-v1"
@@ -48,11 +54,11 @@ class Args:
     num_workers: int | None = None
     """env worker processes (default: the machine's cores; with a GPU two fewer, for acting and learning)"""
     num_envs_per_worker: int | None = None
-    """envs per worker, stepped in two halves while the other half waits for actions (even; default 16, 64 on a GPU)"""
+    """envs per worker, stepped in two halves while the other waits for actions (even; default 16, GPU 64)"""
     rollout: int = 32
     """steps per rollout (the V-trace / GRU unroll length)"""
     batch_size: int | None = None
-    """env steps per learner update, a multiple of rollout * num_envs_per_worker / 2 (default 1024, 4096 on a GPU)"""
+    """env steps per update, a multiple of rollout * num_envs_per_worker / 2 (default 1024, GPU 4096)"""
     lr: float = 1e-4
     """Adam learning rate"""
     gamma: float = 0.99
@@ -78,15 +84,15 @@ class Args:
     max_episode_steps: int = envs.MAX_EPISODE_STEPS
     """time limit of an episode in steps (truncated, bootstrapped); NLE's default 5000"""
     raw_ranking: bool = False
-    """ranking: the reward model's raw output (as the reference code), not the normalized, median-thresholded one"""
+    """ranking: the reward model's raw output (as the reference code), not normalized, median-thresholded"""
     reward_model_share: float = 1.0
     """classification/ranking: the most of wall time their trainer may take (1: no rest, see README)"""
     llm_url: list[str] = field(default_factory=list)
-    """base URLs of OpenAI-compatible LLM servers, requests spread across them (none: the embedded llm_server.py)"""
+    """base URLs of OpenAI-compatible LLM servers, requests spread over them (none: embedded llm_server.py)"""
     llm_model: str | None = None
     """model name to ask for (default: the first one the server lists)"""
     llm_concurrency: int | None = None
-    """LLM requests in flight (default: 64 for --llm-url servers, which batch them; fewer for the embedded one)"""
+    """LLM requests in flight (default: 64 for --llm-url servers, which batch them; fewer for the embedded)"""
     llm_threads: int | None = None
     """CPU threads of the embedded LLM server (default: the cores left over by the env workers, >= 1)"""
     prompt_file: str | None = None
@@ -112,36 +118,80 @@ class Args:
     """wandb project"""
 
 
-# Flags that a resumed run takes from its command line; all others come from the checkpoint.
-RESUME_OVERRIDES = ("total_env_steps", "num_workers", "device", "track", "llm_url", "llm_model", "llm_concurrency",
-                    "llm_threads", "prompt_file", "checkpoint_every_s", "reward_model_share",
-                    "trust_checkpoint")
-LLM_COUNTS = ("requests", "labels", "failures", "parse_failures", "dropped", "restarts")  # summed over resumes
-CROP = 12  # the paper's crop of the map around the agent
-TORCH_THREADS = torch.get_num_threads()  # the learner's, read before any thread changes the default
-LOCK_WAIT_S = 10.0  # a copy of the weights takes ~1 ms: a lock held this long is held by a process that died
+# The flags that a resumed run takes from its command line; all others come from the checkpoint.
+RESUME_OVERRIDES = ("total_env_steps", "num_workers", "device", "track", "llm_url", "llm_model",
+                    "llm_concurrency", "llm_threads", "prompt_file", "checkpoint_every_s",
+                    "reward_model_share", "trust_checkpoint")
 
 
-class End(enum.IntEnum):
-    """Per-transition end codes in the rollout buffers."""
-    RUNNING = 0
-    TERMINATED = 1  # death or success: the return is cut, the next observation starts a new episode
-    TRUNCATED = 2  # time limit: bootstrapped from its last observation, which obs t+1 shows
-    RESET = 3  # the step after a truncation only reset the env: no transition of the policy
-
-
-def episode_cut(end):
-    """Transitions after which the next observation starts a new episode (numpy: ints, an IntEnum costs it ~4x)."""
-    return (end == End.TERMINATED.value) | (end == End.RESET.value)
-
-
-def carry_state(h, end):
-    """The GRU state [..., hidden] the next observation starts from: zeroed after an episode's end."""
-    return h * ~episode_cut(end).to(h.device)[..., None]
-
-
-def fail(message: str):  # a clear one-line error for the user, no traceback
+def fail(message: str):  # A clear one-line error for the user, with no traceback.
     raise SystemExit(f"error: {message}")
+
+
+def given_flags(argv) -> set[str]:
+    """The Args fields named on the command line (--a-b, --a_b, --a=v, --no-a), whatever their values: a
+    resume applies `--num-workers 2` where 2 is the default, `--llm-url` with no URL (the embedded server)."""
+    names = {f.name for f in dataclasses.fields(Args)}
+    flags = {token[2:].split("=", 1)[0].replace("-", "_") for token in argv if token.startswith("--")}
+    return {name if name in names else name.removeprefix("no_") for name in flags} & names
+
+
+def parse_args(argv=None) -> Args:
+    """The flags of argv (default: the command line) or of the checkpoint to resume, checked and completed."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = tyro.cli(Args, args=argv)
+    args.demos = args.demos and os.path.abspath(args.demos)  # So that a resume from elsewhere finds it.
+    if args.resume is not None:
+        path, _, saved = load_checkpoint(args.resume, trust=args.trust_checkpoint)
+        for name in sorted(given_flags(argv) - {"resume", "run_dir"}):
+            if name in RESUME_OVERRIDES:
+                setattr(saved, name, getattr(args, name))
+            else:
+                print(f"--resume: ignoring --{name.replace('_', '-')}; the run keeps its saved value",
+                      file=sys.stderr)
+        saved.resume, saved.run_dir = path, os.path.dirname(path)
+        args = saved
+    if args.task not in envs.TASKS:
+        fail(f"unknown task {args.task!r}; known tasks: {', '.join(envs.TASKS)}")
+    if args.reward_type not in reward_models.REWARD_TYPES:
+        fail(f"unknown reward type {args.reward_type!r}; "
+             f"choose one of {', '.join(reward_models.REWARD_TYPES)}")
+    # The defaults on a GPU differ (README: Performance); a resumed run has its own, which are not None.
+    gpu = torch.cuda.is_available() if args.device == "auto" else args.device.startswith("cuda")
+    defaults = dict(num_workers=max(1, (os.cpu_count() or 1) - 2 * gpu),
+                    num_envs_per_worker=64 if gpu else 16, batch_size=4096 if gpu else 1024)
+    for name, value in defaults.items():
+        setattr(args, name, value if getattr(args, name) is None else getattr(args, name))
+    if (min(args.num_workers, args.rollout, args.batch_size, args.num_envs_per_worker - 1) < 1
+            or args.num_envs_per_worker % 2):
+        fail("need --num-workers, --rollout, --batch-size >= 1 and an even --num-envs-per-worker >= 2")
+    if (args.max_episode_steps < 1 or (args.llm_threads is not None and args.llm_threads < 1)
+            or not 0 < args.reward_model_share <= 1):
+        fail("need --max-episode-steps >= 1, --llm-threads >= 1 and 0 < --reward-model-share <= 1")
+    slot_steps = args.rollout * args.num_envs_per_worker // 2
+    if args.batch_size % slot_steps:
+        fail(f"--batch-size ({args.batch_size}) must be a multiple of rollout * num_envs_per_worker / 2"
+             f" = {slot_steps}")
+    if args.extrinsic_coef is None:
+        args.extrinsic_coef = 0.1 if args.task.startswith("NetHackScore") else 10.0
+    if args.run_dir is None:
+        name = f"{args.task.split('Extended')[0]}__{args.reward_type}__{args.seed}__{int(time.time())}"
+        args.run_dir = os.path.join("runs", name)
+    return args
+
+
+def pick_device(name):
+    name = ("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name
+    try:
+        torch.empty(1, device=name)
+    except Exception as error:
+        fail(f"cannot use device {name!r}: {str(error).splitlines()[0]}")
+    return torch.device(name)
+
+
+# ---------------------------------------- policy ----------------------------------------------------------
+# The agent: an encoder of what it sees, a GRU for memory, and an actor and a critic head.
+CROP = 12  # The paper's crop of the map around the agent.
 
 
 def layer_init(layer, std=np.sqrt(2), bias=0.0):
@@ -151,62 +201,67 @@ def layer_init(layer, std=np.sqrt(2), bias=0.0):
 
 
 class Agent(nn.Module):
-    """12x12 crop (char + colour embeddings, two convs), stats and message (MLPs) -> GRU 512 -> actor and critic."""
+    """12x12 crop (char + colour embeddings, two convs), stats, message (MLPs) -> GRU 512 -> actor, critic."""
 
     def __init__(self, num_actions=len(envs.ACTIONS), hidden=512):
         super().__init__()
         self.char_embed, self.color_embed = nn.Embedding(256, 32), nn.Embedding(16, 32)
         self.crop_net = nn.Sequential(layer_init(nn.Conv2d(32, 64, 3, padding=1)), nn.ELU(),
-                                      layer_init(nn.Conv2d(64, 64, 3, stride=2, padding=1)), nn.ELU(), nn.Flatten(),
-                                      layer_init(nn.Linear(64 * (CROP // 2) ** 2, 256)), nn.ELU())
-        self.stats_net = nn.Sequential(layer_init(nn.Linear(27, 64)), nn.ELU(), layer_init(nn.Linear(64, 64)), nn.ELU())
+                                      layer_init(nn.Conv2d(64, 64, 3, stride=2, padding=1)), nn.ELU(),
+                                      nn.Flatten(), layer_init(nn.Linear(64 * (CROP // 2) ** 2, 256)),
+                                      nn.ELU())
+        self.stats_net = nn.Sequential(layer_init(nn.Linear(27, 64)), nn.ELU(),
+                                       layer_init(nn.Linear(64, 64)), nn.ELU())
         self.message_net = nn.Sequential(layer_init(nn.Linear(envs.MESSAGE_LEN, 128)), nn.ELU(),
                                          layer_init(nn.Linear(128, 128)), nn.ELU())
         self.fuse = nn.Sequential(layer_init(nn.Linear(256 + 64 + 128, hidden)), nn.ELU())
         self.gru = nn.GRUCell(hidden, hidden)
         self.actor = layer_init(nn.Linear(hidden, num_actions), std=0.01)
         self.critic = layer_init(nn.Linear(hidden, 1), std=1.0)
-        self.graphs, self.capture = {}, None  # fast_step's: batch size -> CUDA graph, inputs, outputs; (pool, stream)
+        self.graphs, self.capture = {}, None  # fast_step's CUDA graphs by batch size; their pool, stream.
 
     def encode(self, obs):
         """obs: chars/colors [N,21,79] uint8, blstats [N,27], message [N,256] -> [N, hidden]."""
         chars, colors, blstats = obs["chars"].long(), obs["colors"].long(), obs["blstats"].float()
         n, pad = chars.shape[0], CROP // 2
-        x, y = blstats[:, envs.X].long().clamp(0, 78) + pad, blstats[:, envs.Y].long().clamp(0, 20) + pad  # padded map
+        # The agent's place on the map padded by half a crop on each side.
+        x, y = blstats[:, envs.X].long().clamp(0, 78) + pad, blstats[:, envs.Y].long().clamp(0, 20) + pad
         offsets = torch.arange(-pad, CROP - pad, device=chars.device)
         rows, cols = (y[:, None] + offsets)[:, :, None], (x[:, None] + offsets)[:, None, :]
         batch = torch.arange(n, device=chars.device)[:, None, None]
         crop_chars = F.pad(chars, (pad, pad, pad, pad))[batch, rows, cols]
         crop_colors = F.pad(colors, (pad, pad, pad, pad))[batch, rows, cols]
         crop = (self.char_embed(crop_chars) + self.color_embed(crop_colors)).permute(0, 3, 1, 2)
-        stats = torch.sign(blstats) * torch.log1p(blstats.abs())  # stats span 1 to 1e6: log-scale
+        stats = torch.sign(blstats) * torch.log1p(blstats.abs())  # They span 1 to 1e6: a log scale.
         message = obs["message"].float() / 255.0
-        return self.fuse(torch.cat([self.crop_net(crop), self.stats_net(stats), self.message_net(message)], dim=1))
+        features = [self.crop_net(crop), self.stats_net(stats), self.message_net(message)]
+        return self.fuse(torch.cat(features, dim=1))
 
     def step(self, obs, h):
         h = self.gru(self.encode(obs), h)
         return self.actor(h), self.critic(h).squeeze(-1), h
 
     def fast_step(self, obs, h):
-        """step(); on a GPU under no_grad, replayed from a CUDA graph captured for this batch size: the same kernels on
-        the same weights (load_state_dict copies in place), bit-identical, 2-6x faster on an H200 (act_cost.py)."""
+        """step(); on a GPU under no_grad, for speed (act_cost.py), a replay of a CUDA graph captured for this
+        batch size: the same kernels on the same weights (load_state_dict copies in place), bit-identical."""
         if h.device.type != "cuda":
             return self.step(obs, h)
-        with torch.no_grad(), torch.cuda.device(h.device):  # capture and replay on h's GPU, not the current one
+        with torch.no_grad(), torch.cuda.device(h.device):  # On h's GPU, not the current one.
             if len(h) not in self.graphs:
                 inputs, graph = ({k: v.clone() for k, v in obs.items()}, h.clone()), torch.cuda.CUDAGraph()
-                self.step(*inputs)  # a warm-up: cuDNN and cuBLAS make their handles outside the capture
-                self.capture = self.capture or (torch.cuda.graph_pool_handle(), torch.cuda.Stream(h.device))  # all sizes share
-                with torch.cuda.graph(graph, *self.capture, capture_error_mode="thread_local"):  # only this thread's
-                    outputs = self.step(*inputs)  # work is captured, whatever other threads do on the GPU
-                self.graphs[len(h)] = graph, inputs, outputs  # kept once captured
+                self.step(*inputs)  # A warm-up: cuDNN and cuBLAS make their handles outside the capture.
+                # All batch sizes share one memory pool and one stream; only this thread's work is captured.
+                self.capture = self.capture or (torch.cuda.graph_pool_handle(), torch.cuda.Stream(h.device))
+                with torch.cuda.graph(graph, *self.capture, capture_error_mode="thread_local"):
+                    outputs = self.step(*inputs)
+                self.graphs[len(h)] = graph, inputs, outputs  # Kept once captured.
             graph, (obs_in, h_in), outputs = self.graphs[len(h)]
-            torch._foreach_copy_([*obs_in.values(), h_in], [*(obs[k] for k in obs_in), h])  # inputs in, by name
+            torch._foreach_copy_([*obs_in.values(), h_in], [*(obs[k] for k in obs_in), h])
             graph.replay()
-        return outputs  # rewritten by the next replay of any size (they share memory): act() is done with them by then
+        return outputs  # The next replay of any size rewrites them; act() is done with them by then.
 
     def unroll(self, obs, h0, cuts):
-        """obs: [T+1, B, ...]; cuts[t]: the state resets before obs t+1. Returns logits [T+1, B, A], values [T+1, B]."""
+        """obs: [T+1, B, ...]; cuts[t]: the state resets before obs t+1. -> logits [T+1, B, A], values."""
         steps, batch = obs["chars"].shape[:2]
         features = self.encode({k: v.flatten(0, 1) for k, v in obs.items()}).view(steps, batch, -1)
         h, outputs = h0, []
@@ -216,9 +271,29 @@ class Agent(nn.Module):
         return self.actor(out := torch.stack(outputs)), self.critic(out).squeeze(-1)
 
 
+# ---------------------------------------- V-trace and loss ------------------------------------------------
+# What the learner computes from a batch: end codes, V-trace targets over a rollout, the APPO loss.
+class End(enum.IntEnum):
+    """Per-transition end codes in the rollout buffers."""
+    RUNNING = 0
+    TERMINATED = 1  # Death or success: the return is cut, and the next observation starts a new episode.
+    TRUNCATED = 2  # The time limit: bootstrapped from its last observation, which obs t+1 shows.
+    RESET = 3  # The step after a truncation only reset the env: it is no transition of the policy.
+
+
+def episode_cut(end):
+    """Transitions after which the next observation starts a new episode (ints: numpy is slow on IntEnums)."""
+    return (end == End.TERMINATED.value) | (end == End.RESET.value)
+
+
+def carry_state(h, end):
+    """The GRU state [..., hidden] the next observation starts from: zeroed after an episode's end."""
+    return h * ~episode_cut(end).to(h.device)[..., None]
+
+
 def vtrace(rewards, values, bootstrap, discounts, rhos, cs):
-    """V-trace targets (Espeholt et al. 2018, eq. 1), recursively. rewards, discounts, rhos, cs, values: [T, B];
-    bootstrap: V(x_T) [B]. Returns vs [T, B] and the advantages rho_t (r_t + discount_t vs_{t+1} - V_t)."""
+    """V-trace targets (Espeholt et al. 2018, eq. 1), recursively. rewards, discounts, rhos, cs, values: [T,
+    B]; bootstrap: V(x_T) [B]. Returns vs [T, B], advantages rho_t (r_t + discount_t vs_{t+1} - V_t)."""
     next_values = torch.cat([values[1:], bootstrap[None]])
     deltas = rhos * (rewards + discounts * next_values - values)
     acc, vs = torch.zeros_like(bootstrap), torch.empty_like(values)
@@ -229,7 +304,7 @@ def vtrace(rewards, values, bootstrap, discounts, rhos, cs):
 
 
 def vtrace_targets(end, rewards, values, ratio, gamma):
-    """V-trace over a rollout; values: [T+1, B] (the last bootstraps). A truncation bootstraps from its real last
+    """V-trace over a rollout; values: [T+1, B] (the last bootstraps). A truncation bootstraps from its last
     observation, only true ends cut the return; a reset step is no transition (rho = c = 0, no discount)."""
     discounts = gamma * ((end == End.RUNNING) | (end == End.TRUNCATED)).float()
     clipped = ratio.clamp(max=1.0) * (end != End.RESET).float()  # rho_bar = c_bar = 1
@@ -237,13 +312,13 @@ def vtrace_targets(end, rewards, values, ratio, gamma):
 
 
 def appo_loss(agent, batch, rewards, args):
-    """Clipped PPO on V-trace advantages, value loss, entropy; sample-factory v1's coefficients (which ONI used)."""
+    """Clipped PPO on V-trace advantages, value loss, entropy; sample-factory v1's coefficients (ONI's)."""
     end = batch["end"]
-    valid = (end != End.RESET).float()  # a reset step is no transition of the policy
+    valid = (end != End.RESET).float()  # A reset step is no transition of the policy.
     logits, values = agent.unroll(batch["obs"], batch["h0"], episode_cut(end))
     log_probs = torch.log_softmax(logits[:-1], dim=-1)
     new_logp = log_probs.gather(-1, batch["action"][..., None]).squeeze(-1)
-    ratio = torch.exp(new_logp - batch["logprob"]).clamp(0.05, 20.0)  # far-off ratios are noise
+    ratio = torch.exp(new_logp - batch["logprob"]).clamp(0.05, 20.0)  # Far-off ratios are noise.
     with torch.no_grad():
         vs, advantages = vtrace_targets(end, rewards, values, ratio, args.gamma)
         n = valid.sum().clamp(min=1)
@@ -256,8 +331,14 @@ def appo_loss(agent, batch, rewards, args):
     value_loss = (((values[:-1] - vs) ** 2) * valid).sum() / n
     entropy = (-(log_probs.exp() * log_probs).sum(-1) * valid).sum() / n
     loss = policy_loss + args.vf_coef * value_loss - args.ent_coef * entropy
-    return loss, {"policy_loss": policy_loss.item(), "value_loss": value_loss.item(), "entropy": entropy.item(),
-                  "clip_fraction": (((ratio < low) | (ratio > high)).float() * valid).sum().item() / n.item()}
+    clip_fraction = (((ratio < low) | (ratio > high)).float() * valid).sum().item() / n.item()
+    return loss, {"policy_loss": policy_loss.item(), "value_loss": value_loss.item(),
+                  "entropy": entropy.item(), "clip_fraction": clip_fraction}
+
+
+# ---------------------------------------- env workers -----------------------------------------------------
+# Env worker processes step their envs, half of them per command, into the shared rollout buffers.
+OBS_FIELDS = ("chars", "colors", "blstats", "message")
 
 
 def make_buffers(num_buffers, rollout, n):
@@ -269,7 +350,7 @@ def make_buffers(num_buffers, rollout, n):
         "colors": shared(rollout + 1, n, 21, 79, dtype=torch.uint8),
         "blstats": shared(rollout + 1, n, 27, dtype=torch.float32),
         "message": shared(rollout + 1, n, envs.MESSAGE_LEN, dtype=torch.uint8),
-        # the reward's input: each step's own message and its count N in the episode (at an end: not message[t+1])
+        # The reward's input: each step's own message and its count N (at an episode's end not message[t+1]).
         "step_message": shared(rollout, n, envs.MESSAGE_LEN, dtype=torch.uint8),
         "step_count": shared(rollout, n, dtype=torch.int32), "action": shared(rollout, n, dtype=torch.int64),
         "logprob": shared(rollout, n, dtype=torch.float32), "reward": shared(rollout, n, dtype=torch.float32),
@@ -277,45 +358,44 @@ def make_buffers(num_buffers, rollout, n):
         "h0": shared(n, 512, dtype=torch.float32)}
 
 
-OBS_FIELDS = ("chars", "colors", "blstats", "message")
-
-
 def env_worker(index, task, seed, num_envs, buffers, conn, max_episode_steps=envs.MAX_EPISODE_STEPS):
-    """Steps half of its envs per command (half, buffer, t): the actions at [buffer, t] in; reward, end code and the
-    step's own message at t and the next observation at t+1 out (t=-1: a reset into 0). A death or success resets at
-    once (obs t+1 starts the next episode); a truncation shows its last observation, then resets (end code RESET)."""
+    """Steps half of its envs per command (half, buffer, t): the actions at [buffer, t] in; the reward, end
+    code, the step's own message at t and the next observation at t+1 out (t=-1: a reset into 0). A death or
+    success resets at once (obs t+1 starts the next episode); a truncation shows its end, then resets."""
     torch.set_num_threads(1)
-    bufs, half_size, needs_reset = {k: v.numpy() for k, v in buffers.items()}, num_envs // 2, [False] * num_envs
+    bufs, half_size = {k: v.numpy() for k, v in buffers.items()}, num_envs // 2
+    needs_reset = [False] * num_envs
     seeds = [seed + index * num_envs + i for i in range(num_envs)]
     pool = [envs.make_env(task, seed=s, max_episode_steps=max_episode_steps) for s in seeds]
-    with contextlib.suppress(EOFError, OSError):  # the acting process is gone (killed): never outlive it
+    with contextlib.suppress(EOFError, OSError):  # The acting process is gone (killed): never outlive it.
         while (command := conn.recv()) is not None:
             half, b, t = command
             episodes = []
-            for j, i in enumerate(range(half * half_size, (half + 1) * half_size)):  # j: its column in the buffers
-                reward, end, message, count, stepped = 0.0, End.RESET, 0, 1, False  # a reset step produced no message
+            for j, i in enumerate(range(half * half_size, (half + 1) * half_size)):  # j: the buffers' column
+                reward, end, message, count, stepped = 0.0, End.RESET, 0, 1, False  # A reset has no message.
                 try:
                     if t < 0 or needs_reset[i]:
                         (obs, _), needs_reset[i] = pool[i].reset(), False
                     else:
                         obs, reward, terminated, truncated, info = pool[i].step(bufs["action"][b, t, j])
                         end = End.TERMINATED if terminated else End.TRUNCATED if truncated else End.RUNNING
-                        message, count, stepped = obs["message"].copy(), info["message_count"], True  # reset refills it
+                        # A copy, since the reset below refills the observation's arrays.
+                        message, count, stepped = obs["message"].copy(), info["message_count"], True
                         if terminated or truncated:
                             episodes.append((i, info["episode"]))
                         if terminated:
                             obs, _ = pool[i].reset()
                         needs_reset[i] = truncated
-                except Exception as error:  # a crashed game must not stop the run: replace it
+                except Exception as error:  # A crashed game must not stop the run: replace it.
                     print(f"worker {index}: env {i} crashed ({error!r}); recreating it", file=sys.stderr)
                     with contextlib.suppress(Exception):
                         pool[i].close()
-                    seeds[i] += 1_000_003  # another stream of games
+                    seeds[i] += 1_000_003  # Another stream of games.
                     pool[i] = envs.make_env(task, seed=seeds[i], max_episode_steps=max_episode_steps)
                     (obs, _), needs_reset[i] = pool[i].reset(), False
-                    if not stepped:  # else the step ended its episode and only the reset failed: keep it
+                    if not stepped:  # Else the step ended its episode, only the reset failed: keep it.
                         reward, end = 0.0, End.RESET
-                for k in OBS_FIELDS:  # t = -1 (the first reset) writes at 0
+                for k in OBS_FIELDS:  # At t = -1 (the first reset) this writes at 0.
                     bufs[k][b, t + 1, j] = obs[k]
                 if t >= 0:
                     bufs["step_message"][b, t, j], bufs["step_count"][b, t, j] = message, count
@@ -325,257 +405,184 @@ def env_worker(index, task, seed, num_envs, buffers, conn, max_episode_steps=env
         env.close()
 
 
-def add_intrinsic_episodes(totals, finished, paid, end, env_ids):
-    """paid (R / N^beta), end: [T, B]: rollouts side by side, each env's in time order (one env may have two); env_ids:
-    [B]. Sums each env's episode in totals [envs, 3]; at its end, its intrinsic return and rewarded share go to finished."""
-    order = np.argsort(env_ids, kind="stable")  # one run of steps per env, in time order: a segmented sum
-    paid, end = paid.cpu().numpy()[:, order].T.ravel().astype(np.float64), end.cpu().numpy()[:, order].T.ravel()
-    env = np.repeat(env_ids[order], len(end) // len(order))
-    steps = np.stack([paid, paid != 0, np.ones_like(paid)], 1) * (end != End.RESET)[:, None]  # a reset step: none
-    first, last = np.r_[True, env[1:] != env[:-1]], np.r_[env[1:] != env[:-1], True]
-    steps[first] += totals[env[first]] * (end[first] != End.RESET)[:, None]  # episodes in progress go on
-    done = (end == End.TERMINATED) | (end == End.TRUNCATED)
-    starts = np.flatnonzero(first | (end == End.RESET) | np.r_[False, done[:-1]])  # a reset drops its episode
-    sums, ends = np.add.reduceat(steps, starts), np.r_[starts[1:], len(end)] - 1
-    totals[env[first]], going_on = 0.0, last[ends] & ~done[ends]
-    totals[env[ends[going_on]]] = sums[going_on]
-    for i, (total, rewarded, n) in zip(ends[done[ends]], sums[done[ends]]):
-        finished[env[i]].append({"intrinsic_return": total, "intrinsic_rewarded_fraction": rewarded / n})
-
-
-def join_episodes(pending, finished, final=False):
-    """Workers' episodes joined with the learner's intrinsic totals of them (per env, both in order); final: all."""
-    out = []
-    for worker_episodes, learner_episodes in zip(pending, finished):
-        while worker_episodes and (learner_episodes or final):
-            out.append({**worker_episodes.popleft(), **(learner_episodes.popleft() if learner_episodes else {})})
-    return sorted(out, key=lambda e: e["env_steps"])
-
-
-SAFE = {str, int, float, bool, type(None), torch.Tensor}  # and dicts, lists, tuples: what weights_only reads
-KEYS = ("model", "args", "counters")  # dicts in every checkpoint of oni_appo.py
-
-
-def plain(value):
-    """value in the types torch.load(weights_only=True) reads, so that a checkpoint cannot run code: numpy
-    arrays as tensors, numpy numbers as Python's, other mappings (a Counter) as dicts; TypeError on anything
-    else. Their readers take them back as they took the originals (np.asarray a tensor, Counter a dict)."""
-    if type(value) in SAFE or isinstance(value, torch.Tensor):
-        return value
-    if isinstance(value, np.ndarray):
-        return torch.from_numpy(value)
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, dict):  # kept whole when plain already: a module's state_dict keeps its _metadata
-        if type(value) in (dict, collections.OrderedDict) and {*map(type, (*value, *value.values()))} <= SAFE:
-            return value
-        return {plain(k): plain(v) for k, v in value.items()}
-    if isinstance(value, tuple | list):
-        if type(value) in (tuple, list) and {*map(type, value)} <= SAFE:  # fast for a million texts
-            return value
-        return tuple(map(plain, value)) if isinstance(value, tuple) else list(map(plain, value))
-    raise TypeError(f"a checkpoint cannot hold a {type(value).__name__}")
-
-
-def write_checkpoint(state, path):
-    torch.save(plain(state), path + ".tmp")
-    os.replace(path + ".tmp", path)  # never leave a half-written checkpoint
-
-
-def read_checkpoint(path, trust=False):
-    """A checkpoint file's contents, read with weights_only=True: a shared one cannot run code. One that
-    needs pickle (written before checkpoints held plain values only, or crafted) is refused, unless trust:
-    then it is read with pickle once and rewritten in the safe format. Else a one-line error."""
-    try:
-        with warnings.catch_warnings(action="ignore"):  # torch's on a foreign pickle: the error says enough
-            return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:
-        if (unsafe := re.search(r"Unsupported global: GLOBAL (\S+)", str(error))) is None:
-            fail(f"cannot read checkpoint {path} (cut short, or not a checkpoint): {load_error(error)}")
-        if not trust:
-            fail(f"{path} needs pickle to load ({unsafe[1]}), which can run any code it holds; "
-                 "if you trust it (an older checkpoint of this project), load it once with "
-                 "--trust-checkpoint, which rewrites it in the safe format")
-    try:
-        checkpoint = plain(torch.load(path, map_location="cpu", weights_only=False))  # the flag trusts it
-    except Exception as error:
-        fail(f"cannot read checkpoint {path} with pickle: {load_error(error)}")
-    write_checkpoint(checkpoint, path)
-    print(f"--trust-checkpoint: read {path} with pickle and rewrote it in the safe format", file=sys.stderr)
-    return checkpoint
-
-
-def load_error(error) -> str:
-    """torch's reason in one line: its first sentence (what follows advises pickle or repeats)."""
-    line = (str(error).splitlines() or [""])[0]
-    return ": ".join(filter(None, (type(error).__name__, re.split(r"(?<=\w)\. ", line)[0])))
-
-
-def load_checkpoint(path, agent=None, trust=False):
-    """(file, checkpoint, its Args) of a checkpoint file or run dir, the policy into agent; else a one-line
-    error. trust: one that needs pickle is read with it and rewritten safe (see read_checkpoint)."""
-    path = os.path.join(path, "checkpoint.pt") if os.path.isdir(path) else path
-    if not os.path.isfile(path):
-        fail(f"no checkpoint at {path}")
-    checkpoint = read_checkpoint(path, trust)
-    if not isinstance(checkpoint, dict) or not all(isinstance(checkpoint.get(k), dict) for k in KEYS):
-        fail(f"{path} is not a checkpoint of oni_appo.py")
-    known = {f.name for f in dataclasses.fields(Args)}  # a flag removed since (--eval went to evaluate.py) is dropped
-    saved = Args(**{k: v for k, v in checkpoint["args"].items() if k in known})
-    try:
-        if agent is not None:
-            agent.load_state_dict(checkpoint["model"])
-    except RuntimeError as error:
-        fail(f"checkpoint {path} does not match this policy: {str(error).splitlines()[1].strip()}")
-    return path, checkpoint, saved
-
-
-def given_flags(argv) -> set[str]:
-    """The Args fields named on the command line (--a-b, --a_b, --a=v, --no-a), whatever their values: a resume
-    must apply `--num-workers 2` even where 2 is the default, and `--llm-url` with no URL (back to the embedded server)."""
-    names = {f.name for f in dataclasses.fields(Args)}
-    flags = {token[2:].split("=", 1)[0].replace("-", "_") for token in argv if token.startswith("--")}
-    return {name if name in names else name.removeprefix("no_") for name in flags} & names
-
-
-def parse_args(argv=None) -> Args:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    args = tyro.cli(Args, args=argv)
-    args.demos = args.demos and os.path.abspath(args.demos)  # a resume from elsewhere finds it
-    if args.resume is not None:
-        path, _, saved = load_checkpoint(args.resume, trust=args.trust_checkpoint)
-        for name in sorted(given_flags(argv) - {"resume", "run_dir"}):
-            if name in RESUME_OVERRIDES:
-                setattr(saved, name, getattr(args, name))
-            else:
-                print(f"--resume: ignoring --{name.replace('_', '-')}; the run keeps its saved value", file=sys.stderr)
-        saved.resume, saved.run_dir = path, os.path.dirname(path)
-        args = saved
-    if args.task not in envs.TASKS:
-        fail(f"unknown task {args.task!r}; known tasks: {', '.join(envs.TASKS)}")
-    if args.reward_type not in reward_models.REWARD_TYPES:
-        fail(f"unknown reward type {args.reward_type!r}; choose one of {', '.join(reward_models.REWARD_TYPES)}")
-    gpu = torch.cuda.is_available() if args.device == "auto" else args.device.startswith("cuda")  # README: Performance
-    for name, value in dict(num_workers=max(1, (os.cpu_count() or 1) - 2 * gpu), num_envs_per_worker=64 if gpu else 16,
-                            batch_size=4096 if gpu else 1024).items():  # a resumed run has its own (not None)
-        setattr(args, name, value if getattr(args, name) is None else getattr(args, name))
-    if min(args.num_workers, args.rollout, args.batch_size, args.num_envs_per_worker - 1) < 1 or args.num_envs_per_worker % 2:
-        fail("need --num-workers, --rollout, --batch-size >= 1 and an even --num-envs-per-worker >= 2")
-    if args.max_episode_steps < 1 or (args.llm_threads is not None and args.llm_threads < 1) or not 0 < args.reward_model_share <= 1:
-        fail("need --max-episode-steps >= 1, --llm-threads >= 1 and 0 < --reward-model-share <= 1")
-    slot_steps = args.rollout * args.num_envs_per_worker // 2
-    if args.batch_size % slot_steps:
-        fail(f"--batch-size ({args.batch_size}) must be a multiple of rollout * num_envs_per_worker / 2 = {slot_steps}")
-    if args.extrinsic_coef is None:
-        args.extrinsic_coef = 0.1 if args.task.startswith("NetHackScore") else 10.0
-    if args.run_dir is None:
-        args.run_dir = os.path.join("runs", f"{args.task.split('Extended')[0]}__{args.reward_type}__{args.seed}__{int(time.time())}")
-    return args
-
-
-def git_state(root=os.path.dirname(os.path.abspath(__file__))):
-    """(commit, whether tracked files have uncommitted changes) of the code in `root`; "unknown" where there
-    is no git or no repository. Untracked files do not count: results/ holds runs being written."""
-    try:
-        def git(*argv):
-            return subprocess.run(["git", *argv], cwd=root, capture_output=True, text=True, timeout=60,
-                                   check=True).stdout.strip()
-        return git("rev-parse", "HEAD"), bool(git("status", "--porcelain", "--untracked-files=no"))
-    except (OSError, subprocess.SubprocessError):
-        return "unknown", "unknown"
-
-
-def run_record(args) -> dict:
-    """What made this session of the run: the code, the resolved flags and, where the reward asks an LLM, the
-    demonstration pool and the servers asked (finish() adds the model they answered as, the embedded URL)."""
-    commit, dirty = git_state()
-    record = {"started": time.strftime("%Y-%m-%d %H:%M:%S %z"), "commit": commit,
-              "uncommitted_changes": dirty, "flags": dataclasses.asdict(args)}
-    if args.reward_type in reward_models.NEEDS_LLM:
-        record.update(demonstrations=annotator.demos_record(args.demos),
-                      llm={"urls": args.llm_url or "embedded", "model": args.llm_model or "the first listed"})
-    return record
-
-
-def rewrite(path, lines):  # atomically: a crash now must not lose the file
-    with open(path + ".tmp", "w") as f:
-        f.writelines(lines)
-    os.replace(path + ".tmp", path)
-
-
-def pick_device(name):
-    name = ("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name
-    try:
-        torch.empty(1, device=name)
-    except Exception as error:
-        fail(f"cannot use device {name!r}: {str(error).splitlines()[0]}")
-    return torch.device(name)
+# ---------------------------------------- acting process --------------------------------------------------
+# One process acts for all env workers and hands full rollouts to the learner. act_process is its outline, the
+# functions after it follow in the order it calls them; first comes SharedWeights, which brings the weights.
+LOCK_WAIT_S = 10.0  # A copy of the weights is quick: a lock held this long is held by a process that died.
 
 
 class SharedWeights:
-    """The learner's weights in shared memory for the acting process: written whole with their version (the updates
-    that made them) under a lock, and copied whole under it, so inference never acts on half an update."""
+    """The learner's weights in shared memory for the acting process, written whole with their version (the
+    updates that made them) under a lock and copied whole under it: inference never acts on half an update."""
 
     def __init__(self, agent, version):
         self.tensors = {k: v.detach().cpu().clone().share_memory_() for k, v in agent.state_dict().items()}
         self.version, self.lock = torch.tensor([version]).share_memory_(), mp.get_context("spawn").Lock()
 
     def push(self, agent, version):
-        if self.lock.acquire(timeout=LOCK_WAIT_S):  # else the acting process died holding it: next_message says so
+        if self.lock.acquire(timeout=LOCK_WAIT_S):  # Else the acting process died holding it.
             torch._foreach_copy_(list(self.tensors.values()), list(agent.state_dict().values()))
             self.version[0] = version
             self.lock.release()
 
     def pull(self, agent, version) -> int:
-        """Newer weights copied into agent (in place: act's CUDA graphs read them there); returns their version."""
-        if int(self.version[0]) != version and self.lock.acquire(timeout=LOCK_WAIT_S):  # else the learner is gone
+        """Newer weights copied into agent (in place: act's CUDA graphs read them there); their version."""
+        # A lock not taken in time: the learner is gone, and these weights stay.
+        if int(self.version[0]) != version and self.lock.acquire(timeout=LOCK_WAIT_S):
             agent.load_state_dict(self.tensors)
             version = int(self.version[0])
             self.lock.release()
         return version
 
 
-@dataclass
-class Run:
-    """The learner's side of training, this process. The acting process (Acting) shares with it the rollout buffers,
-    the weights, the stop and two pipes: full rollouts to the learner, free buffers back; each has its own GIL."""
-    args: Args
-    device: torch.device
-    agent: Agent
-    optimizer: torch.optim.Optimizer
-    intrinsic: reward_models.IntrinsicReward
-    client: annotator.LabelClient | None  # the annotator's: label requests out, labels in
-    writer: object  # tensorboard's SummaryWriter; wandb syncs from it with --track
-    counters: dict  # env_steps (collected: the acting process's count), updates (= the policy version), episodes
-    saved_totals: dict  # the run's totals up to the checkpoint it resumed from (run_totals adds this session's)
-    sessions: list  # run_record() of each session, this one last
-    updates: collections.deque = field(default_factory=collections.deque)  # figures of each update, for the log
-    losses: dict = field(default_factory=dict)
-    sums: collections.Counter = field(default_factory=collections.Counter)  # this session's learner sums, see learn()
-    failure: str | None = None  # a fatal LLM error, an env worker or the acting process gone: saved, then said
-    ended: bool = False  # nothing more comes from the acting process: its "end" was read, or its pipe closed
-    start_time: float = field(default_factory=time.time)  # train() sets it again once the acting process runs
-    stop: object = field(default_factory=lambda: mp.get_context("spawn").RawValue("b", 0))  # .value: set by either
+def act_process(args, buffers, weights, full_rollouts, free_buffers, stop, collected_steps):
+    """The acting process: it starts the env workers, acts for their ready slots and hands full rollouts over
+    until stopped; its last message, "end", brings the steps and episodes of its last moments."""
+    torch.set_num_threads(1)  # Small CPU ops: more threads would only wake each other (README).
+    actor = Actor(args, buffers, weights, full_rollouts, free_buffers, stop, collected_steps)
+    conns, workers = start_workers(actor)
+    try:  # An exception prints its traceback; the learner, sent an end it did not ask for, stops the run.
+        collect(actor, conns)
+    finally:
+        stop_workers(conns, workers)
+        with contextlib.suppress(OSError):  # The learner is gone (kill -9).
+            actor.full_rollouts.send(("end", None, actor.episodes, actor.collected_steps))
 
-    def __post_init__(self):
-        args = self.args
-        num_slots, num_envs = 2 * args.num_workers, args.num_workers * args.num_envs_per_worker
-        self.envs_per_slot = args.num_envs_per_worker // 2  # a slot is one half of a worker's envs, stepped together
-        self.buffers_per_batch = args.batch_size // (args.rollout * self.envs_per_slot)
-        # slots in flight + one batch, which fills while the learner learns; more would only add policy lag
-        self.buffers = make_buffers(num_slots + self.buffers_per_batch, args.rollout, self.envs_per_slot)
-        self.weights = SharedWeights(self.agent, self.counters["updates"])
-        (self.full, self.full_out), (self.free_in, self.free) = mp.Pipe(duplex=False), mp.Pipe(duplex=False)
-        self.free.send(list(range(num_slots, len(self.buffers["h0"]))))  # slot s starts in buffer s
-        self.acting = mp.get_context("spawn").Process(target=act_process, args=(  # not a daemon: it starts the workers
-            args, self.buffers, self.weights, self.full_out, self.free_in, self.stop, self.counters["env_steps"]))
-        self.start_steps, self.start_learned = self.counters["env_steps"], self.counters["updates"] * args.batch_size
-        # per env, the workers' finished episodes and the learner's intrinsic totals of them, joined in the log
-        self.pending, self.finished = ([collections.deque() for _ in range(num_envs)] for _ in range(2))
-        self.intrinsic_totals = np.zeros((num_envs, 3))  # of the episodes in progress
+
+class Actor:
+    """The acting process's state: the slots (each half of a worker's envs, stepped together), the buffer each
+    fills, the policy it acts with. Its pipes: full_rollouts sends the learner (kind, what, episodes,
+    collected steps), ("rollout", (buffer, slot), ...) when full; free_buffers brings buffers back."""
+
+    def __init__(self, args, buffers, weights, full_rollouts, free_buffers, stop, collected_steps):
+        self.args, self.buffers, self.weights, self.stop = args, buffers, weights, stop
+        self.full_rollouts, self.free_buffers = full_rollouts, free_buffers
+        self.arrays = {k: v.numpy() for k, v in buffers.items()}  # The same memory: numpy indexes it faster.
+        self.collected_steps, self.device = collected_steps, pick_device(args.device)
+        self.agent = Agent().to(self.device).eval()
+        self.version = weights.pull(self.agent, -1)  # The updates that made the weights in agent.
+        num_slots, self.envs_per_slot = 2 * args.num_workers, args.num_envs_per_worker // 2
+        self.empty_buffers, self.episodes = [], []  # The episodes: those ended since the last message.
+        self.slot_buffer, self.slot_t = list(range(num_slots)), [0] * num_slots
+        self.hidden = torch.zeros(num_slots, self.envs_per_slot, self.agent.gru.hidden_size,
+                                  device=self.device)
+        # Each slot samples its own stream: a seed gives the same actions however the slots are batched.
+        self.samplers = [np.random.default_rng(args.seed * 1_000_003 + 7919 * s + self.version)
+                         for s in range(num_slots)]
+
+
+def start_workers(actor):
+    """One process per worker, each stepping its envs into the shared buffers on command."""
+    args, ctx, conns, workers = actor.args, mp.get_context("spawn"), [], []
+    for w in range(args.num_workers):
+        parent, child = ctx.Pipe()
+        seed = args.seed * 1_000_003 + actor.version  # A resume plays other games than the run's start.
+        proc = ctx.Process(target=env_worker, daemon=True, args=(
+            w, args.task, seed, args.num_envs_per_worker, actor.buffers, child, args.max_episode_steps))
+        proc.start()
+        conns.append(parent)
+        workers.append(proc)
+    for s in range(len(actor.slot_buffer)):  # Every slot resets its envs into its first buffer.
+        conns[s // 2].send((s % 2, actor.slot_buffer[s], -1))
+    return conns, workers
+
+
+def collect(actor, conns):
+    """Until stopped: act for ready slots, hand full rollouts to the learner."""
+    waiting = []
+    while not actor.stop.value:
+        ready = waiting + receive(actor, conns)  # Slots that waited for an empty buffer go first.
+        # Back-pressure: a full slot waits while no buffer is empty (the learner is behind).
+        waiting = [s for s in ready if actor.slot_t[s] == actor.args.rollout and not hand_over(actor, s)]
+        acting = [s for s in ready if s not in waiting]
+        if acting:
+            act(actor, conns, acting)
+
+
+def receive(actor, conns):
+    """The slots whose envs finished a step (the episodes they ended noted); free buffers from the learner."""
+    ready, learner = [], multiprocessing.parent_process().sentinel
+    signalled = multiprocessing.connection.wait([*conns, actor.free_buffers, learner], timeout=0.1)
+    if learner in signalled:
+        actor.stop.value = 1  # The learner's process is gone (kill -9): never outlive it.
+        return []
+    for conn in signalled:
+        if conn is actor.free_buffers:
+            actor.empty_buffers += actor.free_buffers.recv()
+            continue
+        w = conns.index(conn)
+        while conn.poll():
+            try:
+                half, episodes = conn.recv()
+            except (EOFError, OSError):
+                actor.full_rollouts.send(("failure", f"env worker {w} died", [], actor.collected_steps))
+                actor.stop.value = 1
+                break
+            ready.append(2 * w + half)
+            first_env = w * actor.args.num_envs_per_worker
+            actor.episodes += [(first_env + i, dict(episode, env_steps=actor.collected_steps))
+                               for i, episode in episodes]
+    return ready
+
+
+def hand_over(actor, s):
+    """Slot s's rollout is full: send it to the learner, go on in an empty buffer (False: none is empty)."""
+    if not actor.empty_buffers:
+        return False
+    new, old, T = actor.empty_buffers.pop(), actor.slot_buffer[s], actor.args.rollout
+    actor.hidden[s] = carry_state(actor.hidden[s], actor.buffers["end"][old, T - 1])
+    for k in OBS_FIELDS:
+        actor.buffers[k][new, 0] = actor.buffers[k][old, T]
+    actor.buffers["h0"][new] = actor.hidden[s].cpu()
+    actor.full_rollouts.send(("rollout", (old, s), actor.episodes, actor.collected_steps))
+    actor.slot_buffer[s], actor.slot_t[s], actor.episodes = new, 0, []
+    return True
+
+
+def act(actor, conns, slots):
+    """One batched inference step for these slots, into their buffers at their t; then workers step."""
+    arrays, n = actor.arrays, actor.envs_per_slot
+    places = [(actor.slot_buffer[s], actor.slot_t[s]) for s in slots]  # A slot's observations are one slice.
+    obs = {k: torch.from_numpy(np.concatenate([arrays[k][b, t] for b, t in places])).to(actor.device)
+           for k in OBS_FIELDS}
+    # At t = 0 the state was carried over at the hand-over; after that, it resets where an episode ended.
+    cut = np.concatenate([episode_cut(arrays["end"][b, t - 1]) if t else np.zeros(n, bool)
+                          for b, t in places])
+    h = torch.cat([actor.hidden[s] for s in slots]) * torch.from_numpy(~cut[:, None]).to(actor.device)
+    actor.version = actor.weights.pull(actor.agent, actor.version)  # The newest whole update.
+    with torch.no_grad():
+        logits, _, h_new = actor.agent.fast_step(obs, h)
+        log_probs = torch.log_softmax(logits.float(), dim=-1).cpu().numpy()
+    for i, (s, (b, t)) in enumerate(zip(slots, places)):  # Gumbel-max, from each slot's own noise.
+        noise = actor.samplers[s].random((n, log_probs.shape[1]), np.float32)
+        mine = log_probs[i * n:(i + 1) * n]
+        arrays["action"][b, t] = action = (mine - np.log(-np.log(np.maximum(noise, 1e-20)))).argmax(-1)
+        arrays["logprob"][b, t], arrays["version"][b, t] = mine[np.arange(n), action], actor.version
+        actor.hidden[s] = h_new[i * n:(i + 1) * n]
+        with contextlib.suppress(OSError):  # A dead worker: receive() finds its pipe closed, stops the run.
+            conns[s // 2].send((s % 2, b, t))
+        actor.slot_t[s] = t + 1
+    actor.collected_steps += len(slots) * n
+
+
+def stop_workers(conns, workers):
+    for conn in conns:
+        with contextlib.suppress(OSError):  # A dead worker's pipe is broken.
+            conn.send(None)
+    for proc in workers:
+        proc.join(timeout=5)
+        proc.kill()  # If still alive (a no-op for one that ended); it ignores SIGTERM (start_acting).
+
+
+# ---------------------------------------- learner ---------------------------------------------------------
+# This process: full rollouts -> rewards -> APPO updates -> weights. train is the outline, the functions after
+# it follow in the order it calls them; they call the last section's to checkpoint and log.
+TORCH_THREADS = torch.get_num_threads()  # The learner's, read before any thread changes the default.
 
 
 def train(args):
+    """A run: set_up builds the learner's side (a Run), start_acting starts the acting process, learn trains
+    until --total-env-steps are learned or a stop, end_acting stops it, finish writes the summary."""
     run = set_up(args)
     start_acting(run)
     run.start_time = time.time()
@@ -583,7 +590,7 @@ def train(args):
           f"{args.num_envs_per_worker} envs on {run.device}; run dir {args.run_dir}", flush=True)
     try:
         learn(run)
-    except SystemExit as error:  # a fatal LLM error: saved and said by finish()
+    except SystemExit as error:  # A fatal LLM error: finish() saves the run and says it.
         run.failure = str(error).removeprefix("error: ")
     finally:
         end_acting(run)
@@ -593,58 +600,89 @@ def train(args):
     return finish(run)
 
 
+@dataclass
+class Run:
+    """The learner's side of a run, this process. It shares the rollout buffers, the weights, the stop flag
+    and two pipes (full rollouts in, free buffers out) with the acting process: each has a GIL of its own."""
+    args: Args
+    device: torch.device
+    agent: Agent
+    optimizer: torch.optim.Optimizer
+    intrinsic: reward_models.IntrinsicReward
+    client: annotator.LabelClient | None  # The annotator's: label requests go out, labels come in.
+    writer: object  # Tensorboard's SummaryWriter; wandb syncs from it with --track.
+    # collected_steps (as the acting process last said), updates (= the policy version), episodes. Collection
+    # runs ahead: the steps learned, which checkpoints and summary.json count, are learned_steps(run).
+    counters: dict
+    saved_totals: dict  # The run's totals at the checkpoint it resumed from; run_totals adds this session's.
+    sessions: list  # The run_record() of each session, this one last.
+    buffers: dict  # The rollout buffers (make_buffers): enough for the slots in flight and one batch.
+    weights: SharedWeights
+    envs_per_slot: int
+    buffers_per_batch: int
+    pending: list  # Per env, the episodes the workers finished; joined with the next list in the log.
+    finished: list  # Per env, the learner's intrinsic totals of them.
+    intrinsic_totals: np.ndarray  # Per env, the intrinsic sums of its episode in progress.
+    start_collected: int  # The counts that this session started from.
+    start_learned: int
+    acting: object = None  # The acting process, and the learner's ends of its two pipes (start_acting).
+    full_rollouts: object = None
+    free_buffers: object = None
+    updates: collections.deque = field(default_factory=collections.deque)  # Figures of each update, to log.
+    losses: dict = field(default_factory=dict)
+    sums: collections.Counter = field(default_factory=collections.Counter)  # This session's sums (see learn).
+    failure: str | None = None  # A fatal LLM error, a dead env worker or acting process: saved, then said.
+    ended: bool = False  # Nothing more comes from the acting process: its "end" was read, or its pipe closed.
+    start_time: float = field(default_factory=time.time)  # Set again once the acting process runs.
+    stop: object = field(default_factory=lambda: mp.get_context("spawn").RawValue("b", 0))
+
+
 def set_up(args) -> Run:
+    """The learner's side of a run (on a resume, from the checkpoint), its label client, trainer started."""
     os.makedirs(args.run_dir, exist_ok=True)
     sessions = [run_record(args)]
-    print(f"run record: {json.dumps(sessions[0])}", flush=True)  # first: a console.log opens with it
+    print(f"run record: {json.dumps(sessions[0])}", flush=True)  # First, so that a console.log opens with it.
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
     device = pick_device(args.device)
     agent = Agent().to(device)
     optimizer = torch.optim.Adam(agent.parameters(), lr=args.lr, eps=1e-5)
-    counters, saved_totals = {"env_steps": 0, "updates": 0, "episodes": 0}, {}
+    counters, saved_totals = {"collected_steps": 0, "updates": 0, "episodes": 0}, {}
     intrinsic = reward_models.IntrinsicReward(args, device)
     if args.resume:
-        _, checkpoint, _ = load_checkpoint(args.resume, agent)
-        optimizer.load_state_dict(checkpoint["optimizer"])
-        counters.update(checkpoint["counters"])
+        checkpoint = resume(args, agent, optimizer, intrinsic, counters)
         saved_totals, sessions = checkpoint.get("totals", {}), checkpoint.get("sessions", []) + sessions
-        episodes = os.path.join(args.run_dir, "episodes.jsonl")
-        if os.path.exists(episodes):  # the steps after the checkpoint are played again: so are their episodes
-            with open(episodes) as f:
-                kept = [e for e in f if e.endswith("\n") and json.loads(e).get("env_steps", 0) <= counters["env_steps"]]
-            rewrite(episodes, kept)
-            counters["episodes"] = len(kept)
-        labels = os.path.join(args.run_dir, annotator.LABELS_FILE)
-        if os.path.exists(labels):  # the labels so far come back from the run's file, not asked again
-            intrinsic.add_labels(records := annotator.read_labels(labels))
-            rewrite(labels, [json.dumps(r) + "\n" for r in records])  # whole lines only: the annotator appends
-        intrinsic.load_state_dict(checkpoint.get("intrinsic", {}))
-        print(f"resumed from {args.resume} at {counters['env_steps']:,} env steps")
     client = annotator.LabelClient(args) if args.reward_type in reward_models.NEEDS_LLM else None
-    from torch.utils.tensorboard import SummaryWriter
-    if args.track:
-        try:
-            import wandb
-        except ImportError:
-            fail("--track needs wandb: pip install wandb")
-        wandb.init(project=args.wandb_project, config=dataclasses.asdict(args), sync_tensorboard=True,
-                   name=os.path.basename(args.run_dir), dir=args.run_dir, resume="allow")
-    writer = SummaryWriter(args.run_dir)
-    writer.add_text("args", "\n".join(f"{k}: {v}" for k, v in dataclasses.asdict(args).items()))
-    if client is not None:  # the annotator subprocess and, without --llm-url, the embedded server
+    writer = make_writer(args)
+    if client is not None:  # The annotator subprocess and, without --llm-url, the embedded server.
         client.start(args.run_dir, known=intrinsic.known_keys())
     intrinsic.start(args.reward_model_share)
-    return Run(args, device, agent, optimizer, intrinsic, client, writer, counters, saved_totals, sessions)
+    envs_per_slot = args.num_envs_per_worker // 2  # A slot is one half of a worker's envs, stepped together.
+    buffers_per_batch = args.batch_size // (args.rollout * envs_per_slot)
+    # The slots in flight and one batch, which fills while the learner learns; more would only add policy lag.
+    buffers = make_buffers(2 * args.num_workers + buffers_per_batch, args.rollout, envs_per_slot)
+    num_envs = args.num_workers * args.num_envs_per_worker
+    pending, finished = ([collections.deque() for _ in range(num_envs)] for _ in range(2))
+    start = counters["collected_steps"], counters["updates"] * args.batch_size  # Collected, learned.
+    return Run(args, device, agent, optimizer, intrinsic, client, writer, counters, saved_totals, sessions,
+               buffers, SharedWeights(agent, counters["updates"]), envs_per_slot, buffers_per_batch, pending,
+               finished, np.zeros((num_envs, 3)), *start)
 
 
 def start_acting(run):
-    """Starts the acting process ignoring Ctrl-C and SIGTERM, as its env workers then do (both reach the whole group
-    from a terminal or a scheduler): this process alone stops them, with the stop flag, at an update's end."""
+    """Starts the acting process, ignoring Ctrl-C and SIGTERM as its env workers then do (both reach the whole
+    process group): this process alone stops them, with the stop flag, at an update's end."""
+    run.full_rollouts, full_rollouts_out = mp.Pipe(duplex=False)
+    free_buffers_in, run.free_buffers = mp.Pipe(duplex=False)
+    # Slot s starts in buffer s.
+    run.free_buffers.send(list(range(2 * run.args.num_workers, len(run.buffers["h0"]))))
+    run.acting = mp.get_context("spawn").Process(target=act_process, args=(  # No daemon: it starts workers.
+        run.args, run.buffers, run.weights, full_rollouts_out, free_buffers_in, run.stop,
+        run.counters["collected_steps"]))
     for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, signal.SIG_IGN)  # inherited at the spawn: no child dies mid-import either
+        signal.signal(signum, signal.SIG_IGN)  # Inherited at the spawn: no child dies mid-import either.
     run.acting.start()
-    run.full_out.close()  # its end of the pipe is the acting process's alone now: the pipe closes when that dies
+    full_rollouts_out.close()  # The acting process's end alone now: the pipe closes when it dies.
 
     def request_stop(signum, frame):
         if run.stop.value:
@@ -655,163 +693,28 @@ def start_acting(run):
     signal.signal(signal.SIGTERM, request_stop)
 
 
-def end_acting(run):
-    """Stops the acting process; its last message brings the steps and episodes of its last moments."""
-    run.stop.value, deadline = 1, time.time() + 60
-    while not run.ended and time.time() < deadline:
-        next_message(run, 0.1)
-    run.acting.join(timeout=10)
-    run.acting.kill()  # wedged (a no-op for one that ended)
-
-
-class Acting:
-    """The acting process's side: the env workers' slots, each filling a rollout buffer, and the policy it acts with.
-    full: ("rollout", (buffer, slot), episodes, env steps) per full rollout, to the learner; free: buffers, from it."""
-
-    def __init__(self, args, buffers, weights, full, free, stop, env_steps):
-        self.args, self.buffers, self.weights, self.full, self.free = args, buffers, weights, full, free
-        self.arrays = {k: v.numpy() for k, v in buffers.items()}  # the same memory: act indexes it at ~0.2 us, not 2-16
-        self.stop, self.env_steps, self.device, num_slots = stop, env_steps, pick_device(args.device), 2 * args.num_workers
-        self.agent = Agent().to(self.device).eval()
-        self.version = weights.pull(self.agent, -1)  # of the weights in agent: the number of updates that made them
-        self.envs_per_slot, self.free_buffers, self.episodes = args.num_envs_per_worker // 2, [], []
-        self.slot_buffer, self.slot_t = list(range(num_slots)), [0] * num_slots
-        self.hidden = torch.zeros(num_slots, self.envs_per_slot, self.agent.gru.hidden_size, device=self.device)
-        # each slot samples from its own stream: the same seed gives the same actions whichever slots are batched
-        self.samplers = [np.random.default_rng(args.seed * 1_000_003 + 7919 * s + self.version) for s in range(num_slots)]
-
-
-def act_process(*shared):
-    """The acting process (shared: Acting's arguments): it acts for the ready slots, hands full rollouts over."""
-    torch.set_num_threads(1)  # its CPU ops are small: more threads only wake each other (README: Performance)
-    run = Acting(*shared)
-    conns, workers = start_workers(run)
-    try:  # an exception prints its traceback; the learner, sent an end it did not ask for, stops the run
-        collect(run, conns)
-    finally:
-        stop_workers(conns, workers)
-        with contextlib.suppress(OSError):  # the learner is gone (kill -9)
-            run.full.send(("end", None, run.episodes, run.env_steps))
-
-
-def start_workers(run):
-    """One process per worker, each stepping its envs into the shared buffers on command."""
-    args, ctx, conns, workers = run.args, mp.get_context("spawn"), [], []
-    for w in range(args.num_workers):
-        parent, child = ctx.Pipe()
-        proc = ctx.Process(target=env_worker, daemon=True, args=(w, args.task, args.seed * 1_000_003 + run.version,
-                           args.num_envs_per_worker, run.buffers, child, args.max_episode_steps))
-        proc.start()
-        conns.append(parent)
-        workers.append(proc)
-    for s in range(len(run.slot_buffer)):  # every slot resets its envs into its first buffer
-        conns[s // 2].send((s % 2, run.slot_buffer[s], -1))
-    return conns, workers
-
-
-def stop_workers(conns, workers):
-    for conn in conns:
-        with contextlib.suppress(OSError):  # a dead worker's pipe is broken
-            conn.send(None)
-    for proc in workers:
-        proc.join(timeout=5)
-        proc.kill()  # if still alive (a no-op for one that ended); it ignores SIGTERM (start_acting)
-
-
-def collect(run, conns):
-    """Until stopped: act for ready slots, hand full rollouts to the learner."""
-    waiting = []
-    while not run.stop.value:
-        ready = waiting + receive(run, conns)  # slots that waited for a free buffer first
-        # back-pressure: a slot at the end of its rollout waits while no buffer is free (the learner is behind)
-        waiting = [s for s in ready if run.slot_t[s] == run.args.rollout and not hand_over(run, s)]
-        acting = [s for s in ready if s not in waiting]
-        if acting:
-            act(run, conns, acting)
-
-
-def receive(run, conns):
-    """The slots whose envs finished a step (the episodes those steps ended noted); free buffers from the learner."""
-    ready, learner = [], multiprocessing.parent_process().sentinel
-    if learner in (signalled := multiprocessing.connection.wait([*conns, run.free, learner], timeout=0.1)):
-        run.stop.value = 1  # the learner's process is gone (kill -9): never outlive it
-        return []
-    for conn in signalled:
-        if conn is run.free:
-            run.free_buffers += run.free.recv()
-            continue
-        w = conns.index(conn)
-        while conn.poll():
-            try:
-                half, episodes = conn.recv()
-            except (EOFError, OSError):
-                run.full.send(("failure", f"env worker {w} died", [], run.env_steps))
-                run.stop.value = 1
-                break
-            ready.append(2 * w + half)
-            run.episodes += [(w * run.args.num_envs_per_worker + i, dict(episode, env_steps=run.env_steps))
-                             for i, episode in episodes]
-    return ready
-
-
-def hand_over(run, s):
-    """Slot s's rollout is full: send it to the learner, go on in a free buffer (False: none is free)."""
-    if not run.free_buffers:
-        return False
-    new, old, T = run.free_buffers.pop(), run.slot_buffer[s], run.args.rollout
-    run.hidden[s] = carry_state(run.hidden[s], run.buffers["end"][old, T - 1])
-    for k in OBS_FIELDS:
-        run.buffers[k][new, 0] = run.buffers[k][old, T]
-    run.buffers["h0"][new] = run.hidden[s].cpu()
-    run.full.send(("rollout", (old, s), run.episodes, run.env_steps))
-    run.slot_buffer[s], run.slot_t[s], run.episodes = new, 0, []
-    return True
-
-
-def act(run, conns, slots):
-    """One batched inference step for these slots, written into their buffers at their t; then their workers step."""
-    arrays, n = run.arrays, run.envs_per_slot
-    places = [(run.slot_buffer[s], run.slot_t[s]) for s in slots]  # a slot's observations: one slice, not a gather
-    obs = {k: torch.from_numpy(np.concatenate([arrays[k][b, t] for b, t in places])).to(run.device) for k in OBS_FIELDS}
-    # at t = 0 the state was carried over at the hand-over; after that, reset where an episode ended
-    cut = np.concatenate([episode_cut(arrays["end"][b, t - 1]) if t else np.zeros(n, bool) for b, t in places])
-    h = torch.cat([run.hidden[s] for s in slots]) * torch.from_numpy(~cut[:, None]).to(run.device)
-    run.version = run.weights.pull(run.agent, run.version)  # the newest whole update
-    with torch.no_grad():
-        logits, _, h_new = run.agent.fast_step(obs, h)
-        log_probs = torch.log_softmax(logits.float(), dim=-1).cpu().numpy()
-    for i, (s, (b, t)) in enumerate(zip(slots, places)):  # Gumbel-max sampling from each slot's own stream of noise
-        noise = run.samplers[s].random((n, log_probs.shape[1]), np.float32)
-        mine = log_probs[i * n:(i + 1) * n]
-        arrays["action"][b, t] = action = (mine - np.log(-np.log(np.maximum(noise, 1e-20)))).argmax(-1)
-        arrays["logprob"][b, t], arrays["version"][b, t] = mine[np.arange(n), action], run.version
-        run.hidden[s] = h_new[i * n:(i + 1) * n]
-        with contextlib.suppress(OSError):  # a worker that died: receive() finds its pipe closed and stops the run
-            conns[s // 2].send((s % 2, b, t))
-        run.slot_t[s] = t + 1
-    run.env_steps += len(slots) * n
-
-
 def learn(run):
-    """Batches of full rollouts -> rewards (extrinsic + intrinsic) -> one APPO update -> the new weights to the acting
-    process; then the new LLM labels go in. Logs and checkpoints come between two updates, so checkpoints see whole
-    updates."""
-    torch.set_num_threads(TORCH_THREADS)  # the reward-model trainer's setting must not become this thread's
+    """Batches of full rollouts -> rewards (extrinsic + intrinsic) -> an APPO update -> the new weights to the
+    acting process; then the new LLM labels go in. Checkpoints come between updates: they hold whole ones."""
+    torch.set_num_threads(TORCH_THREADS)  # The reward model's trainer thread sets its own: not this thread's.
     last_log = last_checkpoint = time.time()
     while (rollouts := next_batch(run)) is not None:
         batch, step_message, env_ids, lag = take_batch(run, rollouts)
         started = time.perf_counter()
-        terminal = batch["end"] == End.TERMINATED  # summary.json's means are over steps, not over batches
-        rewards, paid, reward_stats = run.intrinsic.rewards(batch["reward"], step_message, batch["step_count"], terminal)
+        terminal = batch["end"] == End.TERMINATED  # summary.json's means are over steps, not over batches.
+        rewards, paid, reward_stats = run.intrinsic.rewards(batch["reward"], step_message,
+                                                            batch["step_count"], terminal)
         add_intrinsic_episodes(run.intrinsic_totals, run.finished, paid, batch["end"], env_ids)
-        run.sums.update(lag_sum=lag.sum().item(), lag_steps=lag.numel(), terminal_paid=paid[terminal].sum().item(),
-                        terminal_steps=terminal.sum().item())
+        run.sums.update(lag_sum=lag.sum().item(), lag_steps=lag.numel(),
+                        terminal_paid=paid[terminal].sum().item(), terminal_steps=terminal.sum().item())
         run.sums["max_reward"] = max(run.sums.get("max_reward", -math.inf), paid.max().item())
         intrinsic_done = time.perf_counter()
         losses = update_policy(run, batch, rewards)
-        if run.client is not None:  # where labels enter the reward, and captions leave for the LLM
-            if not run.stop.value and run.client.check():  # a fatal LLM error stops the run; a dead annotator is
-                run.client.request(*run.intrinsic.unanswered())  # restarted, asked again (not in a stop: SIGTERM kills it)
+        if run.client is not None:  # Here labels enter the reward, and captions leave for the LLM.
+            # A fatal LLM error stops the run; a dead annotator is restarted and asked again, but not in a
+            # stop, where the SIGTERM to the process group killed it.
+            if not run.stop.value and run.client.check():
+                run.client.request(*run.intrinsic.unanswered())
             run.intrinsic.add_labels(run.client.new_records())
             run.client.request(*run.intrinsic.label_requests())
         run.losses = dict(losses, **run.intrinsic.train_stats(), time_intrinsic_s=intrinsic_done - started,
@@ -825,27 +728,8 @@ def learn(run):
             last_checkpoint = now
 
 
-def next_message(run, timeout):
-    """The acting process's next message (kind, what) or (None, None); steps, episodes noted; a failure stops."""
-    if not run.full.poll(timeout):
-        return None, None
-    try:
-        kind, what, episodes, run.counters["env_steps"] = run.full.recv()
-    except (EOFError, OSError):  # its end of the pipe closed before an "end": it died (kill -9, OOM), mid-message
-        run.ended, run.failure, run.stop.value = True, run.failure or "the acting process died", 1
-        return None, None
-    run.ended |= kind == "end"
-    for env, episode in episodes:
-        run.pending[env].append(episode)
-    run.counters["episodes"] += len(episodes)
-    if kind == "failure" or (kind == "end" and not run.stop.value):  # an end not asked for: an exception
-        run.failure = run.failure or what or "the acting process failed (its traceback is above)"
-        run.stop.value = 1
-    return kind, what
-
-
 def next_batch(run):
-    """The (buffer, slot) of the next buffers_per_batch full rollouts; None once stopped or every step is learned."""
+    """The (buffer, slot) of the next buffers_per_batch full rollouts; None once stopped or all learned."""
     rollouts = []
     while len(rollouts) < run.buffers_per_batch:
         if run.stop.value or learned_steps(run) >= run.args.total_env_steps:
@@ -855,17 +739,37 @@ def next_batch(run):
     return rollouts
 
 
+def next_message(run, timeout):
+    """The acting process's next message (kind, what) or (None, None); steps, episodes noted."""
+    if not run.full_rollouts.poll(timeout):
+        return None, None
+    try:
+        kind, what, episodes, run.counters["collected_steps"] = run.full_rollouts.recv()
+    except (EOFError, OSError):  # The pipe closed before an "end": it died (kill -9, OOM), mid-message.
+        run.ended, run.failure, run.stop.value = True, run.failure or "the acting process died", 1
+        return None, None
+    run.ended |= kind == "end"
+    for env, episode in episodes:
+        run.pending[env].append(episode)
+    run.counters["episodes"] += len(episodes)
+    if kind == "failure" or (kind == "end" and not run.stop.value):  # An end not asked for: an exception.
+        run.failure = run.failure or what or "the acting process failed (its traceback is above)"
+        run.stop.value = 1
+    return kind, what
+
+
 def take_batch(run, rollouts):
     """Copies the rollouts out of their buffers ([buffer, t, env] -> [t, buffer * env]) and frees them."""
-    ids = [b for b, _ in rollouts]  # each rollout is one slice of its buffer: stacked, not gathered by index (13x faster)
-    data = {k: torch.stack([v[b] for b in ids], 1).flatten(1, 2) for k, v in run.buffers.items() if k not in ("h0", "version")}
+    ids = [b for b, _ in rollouts]  # One slice of a buffer each: stacked, quicker than a gather.
+    data = {k: torch.stack([v[b] for b in ids], 1).flatten(1, 2)
+            for k, v in run.buffers.items() if k not in ("h0", "version")}
     batch = {k: data[k].to(run.device) for k in ("action", "logprob", "end", "reward", "step_count")}
     batch["obs"] = {k: data[k].to(run.device) for k in OBS_FIELDS}
     batch["h0"] = run.buffers["h0"][ids].flatten(0, 1).to(run.device)
     env_ids = np.concatenate([s * run.envs_per_slot + np.arange(run.envs_per_slot) for _, s in rollouts])
     lag = run.counters["updates"] - run.buffers["version"][ids].float()
-    run.free.send(ids)
-    return batch, data["step_message"], env_ids, lag  # the messages stay on the CPU: np.unique finds them there
+    run.free_buffers.send(ids)
+    return batch, data["step_message"], env_ids, lag  # The messages stay on the CPU, for np.unique.
 
 
 def update_policy(run, batch, rewards):
@@ -880,47 +784,86 @@ def update_policy(run, batch, rewards):
 
 
 def learned_steps(run) -> int:
-    """Env steps learned from: what checkpoints, summary.json and --total-env-steps count (collection runs ahead)."""
+    """Env steps learned from: what checkpoints, summary.json and --total-env-steps count."""
     return run.counters["updates"] * run.args.batch_size
 
 
-def run_totals(run, llm) -> dict:
-    """The whole run's sums over any number of resumes: the checkpoint's plus this session's (the learner's sums, its
-    wall time and steps learned, the counts in the annotator's stats `llm`, which start at 0 in each session)."""
-    session = dict(run.sums, wall_time_s=time.time() - run.start_time, learned_steps=learned_steps(run) - run.start_learned,
-                   **{f"llm_{k}": llm.get(k, 0) for k in LLM_COUNTS})
-    totals = {k: run.saved_totals.get(k, 0) + session.get(k, 0) for k in {*run.saved_totals, *session} - {"max_reward"}}
-    totals["max_reward"] = max(run.saved_totals.get("max_reward", -math.inf), run.sums.get("max_reward", -math.inf))
-    return totals
+def end_acting(run):
+    """Stops the acting process; its last message brings the steps and episodes of its last moments."""
+    run.stop.value, deadline = 1, time.time() + 60
+    while not run.ended and time.time() < deadline:
+        next_message(run, 0.1)
+    run.acting.join(timeout=10)
+    run.acting.kill()  # It is wedged; a no-op for one that ended.
 
 
-def save(run):
-    totals = run_totals(run, run.client.stats() if run.client is not None else {})
-    state = dict(model=run.agent.state_dict(), optimizer=run.optimizer.state_dict(),  # a resume collects again
-                 counters=dict(run.counters, env_steps=learned_steps(run)),  # what was not learned
-                 args=dataclasses.asdict(run.args), intrinsic=run.intrinsic.state_dict(), totals=totals,
-                 sessions=run.sessions)
-    write_checkpoint(state, os.path.join(run.args.run_dir, "checkpoint.pt"))
-    return totals
+# ---------------------------------------- checkpoints and logs --------------------------------------------
+# What the learner logs, checkpoints and reads back; finish, the last of train's steps, comes last.
+LLM_COUNTS = ("requests", "labels", "failures", "parse_failures", "dropped", "restarts")  # Summed in totals.
+KEYS = ("model", "args", "counters")  # The dicts in every checkpoint of oni_appo.py.
+SAFE = {str, int, float, bool, type(None), torch.Tensor}  # And dicts, lists, tuples: what weights_only reads.
 
 
-def add_scalars(writer, prefix, values, step):
-    for k, v in values.items():
-        if isinstance(v, (int, float)):  # not the annotator's "fatal" line: that ends the run
-            writer.add_scalar(f"{prefix}/{k}", v, step)
+def add_intrinsic_episodes(totals, finished, paid, end, env_ids):
+    """paid (R / N^beta), end: [T, B]: rollouts side by side, each env's in time order (one env may have two);
+    env_ids: [B]. Sums each env's episode in totals [envs, 3]; its return, rewarded share go to finished."""
+    order = np.argsort(env_ids, kind="stable")  # One run of steps per env, in time order: a segmented sum.
+    paid = paid.cpu().numpy()[:, order].T.ravel().astype(np.float64)
+    end = end.cpu().numpy()[:, order].T.ravel()
+    env = np.repeat(env_ids[order], len(end) // len(order))
+    # A reset step: none.
+    steps = np.stack([paid, paid != 0, np.ones_like(paid)], 1) * (end != End.RESET)[:, None]
+    first, last = np.r_[True, env[1:] != env[:-1]], np.r_[env[1:] != env[:-1], True]
+    steps[first] += totals[env[first]] * (end[first] != End.RESET)[:, None]  # Episodes in progress go on.
+    done = (end == End.TERMINATED) | (end == End.TRUNCATED)
+    # A reset drops its episode.
+    starts = np.flatnonzero(first | (end == End.RESET) | np.r_[False, done[:-1]])
+    sums, ends = np.add.reduceat(steps, starts), np.r_[starts[1:], len(end)] - 1
+    totals[env[first]], going_on = 0.0, last[ends] & ~done[ends]
+    totals[env[ends[going_on]]] = sums[going_on]
+    for i, (total, rewarded, n) in zip(ends[done[ends]], sums[done[ends]]):
+        finished[env[i]].append({"intrinsic_return": total, "intrinsic_rewarded_fraction": rewarded / n})
+
+
+def join_episodes(pending, finished, final=False):
+    """Workers' episodes joined with the learner's intrinsic totals (per env, both in order); final: all."""
+    out = []
+    for worker_episodes, learner_episodes in zip(pending, finished):
+        while worker_episodes and (learner_episodes or final):
+            intrinsic = learner_episodes.popleft() if learner_episodes else {}
+            out.append({**worker_episodes.popleft(), **intrinsic})
+    return sorted(out, key=lambda e: e["env_steps"])
+
+
+def make_writer(args):  # Tensorboard's, in the run dir; with --track, wandb syncs from it.
+    from torch.utils.tensorboard import SummaryWriter
+    if args.track:
+        try:
+            import wandb
+        except ImportError:
+            fail("--track needs wandb: pip install wandb")
+        wandb.init(project=args.wandb_project, config=dataclasses.asdict(args), sync_tensorboard=True,
+                   name=os.path.basename(args.run_dir), dir=args.run_dir, resume="allow")
+    writer = SummaryWriter(args.run_dir)
+    writer.add_text("args", "\n".join(f"{k}: {v}" for k, v in dataclasses.asdict(args).items()))
+    return writer
 
 
 def log_progress(run, episodes, now):
-    steps, writer = run.counters["env_steps"], run.writer
-    sps = (steps - run.start_steps) / (now - run.start_time)
-    window = [run.updates.popleft() for _ in range(len(run.updates))]  # updates since the last log
+    """Tensorboard's figures at the collected steps, episodes.jsonl and a line on the console."""
+    steps, writer = run.counters["collected_steps"], run.writer
+    sps = (steps - run.start_collected) / (now - run.start_time)
+    window = [run.updates.popleft() for _ in range(len(run.updates))]  # The updates since the last log.
     figures = {k: [u[k] for u in window if k in u] for k in {k for u in window for k in u}}
-    figures = {k: max(v) if k.endswith("max") or k.startswith("max") else float(np.mean(v)) for k, v in figures.items()}
+    figures = {k: max(v) if k.endswith("max") or k.startswith("max") else float(np.mean(v))
+               for k, v in figures.items()}
     lag_mean, lag_max = figures.pop("lag_mean", 0.0), int(figures.pop("lag_max", 0))
     llm = run.client.stats() if run.client is not None else {}
-    if llm:  # counts of the whole run, as in summary.json (a new dict: after close() stats() returns its own)
-        llm = {**llm, **{k.removeprefix("llm_"): v for k, v in run_totals(run, llm).items() if k.startswith("llm_")}}
-    charts = {"SPS": sps, "policy_lag_mean": lag_mean, "policy_lag_max": lag_max, "updates": run.counters["updates"]}
+    if llm:  # The whole run's counts, as in summary.json (new: after close(), stats() returns its own).
+        llm = {**llm, **{k.removeprefix("llm_"): v for k, v in run_totals(run, llm).items()
+                         if k.startswith("llm_")}}
+    charts = {"SPS": sps, "policy_lag_mean": lag_mean, "policy_lag_max": lag_max,
+              "updates": run.counters["updates"]}
     for prefix, values in (("charts", charts), ("losses", run.losses), ("intrinsic", figures), ("llm", llm)):
         add_scalars(writer, prefix, values, steps)
     for e in episodes:
@@ -932,8 +875,168 @@ def log_progress(run, episodes, now):
     mean_return = f"{np.mean([e['return'] for e in episodes]):8.2f}" if episodes else "     n/a"
     labels = (f" | llm labels {llm.get('labels', 0):,} fail {llm.get('failures', 0):,} "
               f"backlog {llm.get('backlog', 0):,}") if llm else ""
-    print(f"steps {steps:>13,} | {sps:8,.0f} steps/s | episodes {run.counters['episodes']:>7,} | return {mean_return} | "
-          f"lag {lag_mean:4.1f}/{lag_max:<3d} | updates {run.counters['updates']:,}{labels}", flush=True)
+    print(f"steps {steps:>13,} | {sps:8,.0f} steps/s | episodes {run.counters['episodes']:>7,} | "
+          f"return {mean_return} | lag {lag_mean:4.1f}/{lag_max:<3d} | "
+          f"updates {run.counters['updates']:,}{labels}", flush=True)
+
+
+def add_scalars(writer, prefix, values, step):
+    for k, v in values.items():
+        if isinstance(v, (int, float)):  # Not the annotator's "fatal" line: that one ends the run.
+            writer.add_scalar(f"{prefix}/{k}", v, step)
+
+
+def save(run):
+    """The checkpoint at the steps learned (a resume collects again the rest); returns the totals."""
+    totals = run_totals(run, run.client.stats() if run.client is not None else {})
+    counters = dict(learned_steps=learned_steps(run), updates=run.counters["updates"],
+                    episodes=run.counters["episodes"])
+    state = dict(model=run.agent.state_dict(), optimizer=run.optimizer.state_dict(), counters=counters,
+                 args=dataclasses.asdict(run.args), intrinsic=run.intrinsic.state_dict(), totals=totals,
+                 sessions=run.sessions)
+    write_checkpoint(state, os.path.join(run.args.run_dir, "checkpoint.pt"))
+    return totals
+
+
+def run_totals(run, llm) -> dict:
+    """The whole run's sums over resumes: the checkpoint's plus this session's (the learner's sums, its wall
+    time and steps learned, the counts in the annotator's stats `llm`, which start at 0 in each session)."""
+    session = dict(run.sums, wall_time_s=time.time() - run.start_time,
+                   learned_steps=learned_steps(run) - run.start_learned,
+                   **{f"llm_{k}": llm.get(k, 0) for k in LLM_COUNTS})
+    totals = {k: run.saved_totals.get(k, 0) + session.get(k, 0)
+              for k in {*run.saved_totals, *session} - {"max_reward"}}
+    totals["max_reward"] = max(run.saved_totals.get("max_reward", -math.inf),
+                               run.sums.get("max_reward", -math.inf))
+    return totals
+
+
+def write_checkpoint(state, path):
+    torch.save(plain(state), path + ".tmp")
+    os.replace(path + ".tmp", path)  # Never leave a half-written checkpoint.
+
+
+def plain(value):
+    """value in the types torch.load(weights_only=True) reads, so that a checkpoint cannot run code: numpy
+    arrays as tensors, numpy numbers as Python's, other mappings (a Counter) as dicts; TypeError on anything
+    else. Their readers take them back as they took the originals (np.asarray a tensor, Counter a dict)."""
+    if type(value) in SAFE or isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(value)
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, dict):  # Kept whole when plain already: a module's state_dict keeps its _metadata.
+        if type(value) in (dict, collections.OrderedDict) and {*map(type, (*value, *value.values()))} <= SAFE:
+            return value
+        return {plain(k): plain(v) for k, v in value.items()}
+    if isinstance(value, tuple | list):
+        if type(value) in (tuple, list) and {*map(type, value)} <= SAFE:  # Quick for the label table's texts.
+            return value
+        return tuple(map(plain, value)) if isinstance(value, tuple) else list(map(plain, value))
+    raise TypeError(f"a checkpoint cannot hold a {type(value).__name__}")
+
+
+def load_checkpoint(path, agent=None, trust=False):
+    """(file, checkpoint, its Args) of a checkpoint file or run dir, the policy into agent; else a one-line
+    error. trust: one that needs pickle is read with it and rewritten safe (see read_checkpoint)."""
+    path = os.path.join(path, "checkpoint.pt") if os.path.isdir(path) else path
+    if not os.path.isfile(path):
+        fail(f"no checkpoint at {path}")
+    checkpoint = read_checkpoint(path, trust)
+    if not isinstance(checkpoint, dict) or not all(isinstance(checkpoint.get(k), dict) for k in KEYS):
+        fail(f"{path} is not a checkpoint of oni_appo.py")
+    # A flag removed since (--eval went to evaluate.py) is dropped.
+    known = {f.name for f in dataclasses.fields(Args)}
+    saved = Args(**{k: v for k, v in checkpoint["args"].items() if k in known})
+    try:
+        if agent is not None:
+            agent.load_state_dict(checkpoint["model"])
+    except RuntimeError as error:
+        fail(f"checkpoint {path} does not match this policy: {str(error).splitlines()[1].strip()}")
+    return path, checkpoint, saved
+
+
+def read_checkpoint(path, trust=False):
+    """A checkpoint file's contents, read with weights_only=True: a shared one cannot run code. One that
+    needs pickle (written before checkpoints held plain values only, or crafted) is refused, unless trust:
+    then it is read with pickle once and rewritten in the safe format. Else a one-line error."""
+    try:
+        with warnings.catch_warnings(action="ignore"):  # Torch's warning on pickles: the error says enough.
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:
+        if (unsafe := re.search(r"Unsupported global: GLOBAL (\S+)", str(error))) is None:
+            fail(f"cannot read checkpoint {path} (cut short, or not a checkpoint): {load_error(error)}")
+        if not trust:
+            fail(f"{path} needs pickle to load ({unsafe[1]}), which can run any code it holds; "
+                 "if you trust it (an older checkpoint of this project), load it once with "
+                 "--trust-checkpoint, which rewrites it in the safe format")
+    try:
+        checkpoint = plain(torch.load(path, map_location="cpu", weights_only=False))  # The flag trusts it.
+    except Exception as error:
+        fail(f"cannot read checkpoint {path} with pickle: {load_error(error)}")
+    write_checkpoint(checkpoint, path)
+    print(f"--trust-checkpoint: read {path} with pickle and rewrote it in the safe format", file=sys.stderr)
+    return checkpoint
+
+
+def load_error(error) -> str:
+    """torch's reason in one line: its first sentence (what follows advises pickle or repeats)."""
+    line = (str(error).splitlines() or [""])[0]
+    return ": ".join(filter(None, (type(error).__name__, re.split(r"(?<=\w)\. ", line)[0])))
+
+
+def resume(args, agent, optimizer, intrinsic, counters):
+    """Loads args.resume's checkpoint (policy, optimizer, reward, counters), the run's episodes and labels."""
+    _, checkpoint, _ = load_checkpoint(args.resume, agent)
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    saved = checkpoint["counters"]
+    # Collection starts again at the steps learned, which checkpoints older than learned_steps call env_steps.
+    steps = saved.get("learned_steps", saved.get("env_steps", 0))
+    counters.update(collected_steps=steps, updates=saved.get("updates", 0), episodes=saved.get("episodes", 0))
+    episodes = os.path.join(args.run_dir, "episodes.jsonl")
+    if os.path.exists(episodes):  # The steps after the checkpoint are played again, their episodes too.
+        with open(episodes) as f:
+            kept = [e for e in f if e.endswith("\n") and json.loads(e).get("env_steps", 0) <= steps]
+        rewrite(episodes, kept)
+        counters["episodes"] = len(kept)
+    labels = os.path.join(args.run_dir, annotator.LABELS_FILE)
+    if os.path.exists(labels):  # The labels so far come back from the run's file, not asked for again.
+        intrinsic.add_labels(records := annotator.read_labels(labels))
+        rewrite(labels, [json.dumps(r) + "\n" for r in records])  # Whole lines: the annotator appends.
+    intrinsic.load_state_dict(checkpoint.get("intrinsic", {}))
+    print(f"resumed from {args.resume} at {steps:,} env steps")
+    return checkpoint
+
+
+def rewrite(path, lines):  # Atomically, so that a crash now cannot lose the file.
+    with open(path + ".tmp", "w") as f:
+        f.writelines(lines)
+    os.replace(path + ".tmp", path)
+
+
+def run_record(args) -> dict:
+    """What made this session of the run: the code, the resolved flags and, where the reward asks an LLM, the
+    demonstration pool and the servers asked (finish() adds the model they answered as, the embedded URL)."""
+    commit, dirty = git_state()
+    record = {"started": time.strftime("%Y-%m-%d %H:%M:%S %z"), "commit": commit,
+              "uncommitted_changes": dirty, "flags": dataclasses.asdict(args)}
+    if args.reward_type in reward_models.NEEDS_LLM:
+        record.update(demonstrations=annotator.demos_record(args.demos),
+                      llm={"urls": args.llm_url or "embedded", "model": args.llm_model or "the first listed"})
+    return record
+
+
+def git_state(root=os.path.dirname(os.path.abspath(__file__))):
+    """(commit, whether tracked files have uncommitted changes) of the code in `root`; "unknown" where there
+    is no git or no repository. Untracked files do not count: results/ holds runs being written."""
+    try:
+        def git(*argv):
+            return subprocess.run(["git", *argv], cwd=root, capture_output=True, text=True, timeout=60,
+                                  check=True).stdout.strip()
+        return git("rev-parse", "HEAD"), bool(git("status", "--porcelain", "--untracked-files=no"))
+    except (OSError, subprocess.SubprocessError):
+        return "unknown", "unknown"
 
 
 def finish(run):
@@ -941,26 +1044,31 @@ def finish(run):
     args = run.args
     log_progress(run, join_episodes(run.pending, run.finished, final=True), time.time())
     llm = run.client.stats() if run.client is not None else {}
-    if llm.get("model"):  # the model the server answered as, and where the embedded one was
+    if llm.get("model"):  # The model the server answered as, and where the embedded one was.
         run.sessions[-1]["llm"].update(urls=run.client.urls, model=llm["model"])
-    totals = save(run)  # the client is closed: these are the run's totals, and the next resume goes on from them, so
-    run.intrinsic.write_messages(os.path.join(args.run_dir, "messages.tsv"))  # the session's time ends at the save
-    elapsed = totals["wall_time_s"] - run.saved_totals.get("wall_time_s", 0.0)  # (sessions summed = the run's time)
-    # figures of the whole run (over resumes): steps learned a second; "session_": this session's, steps collected
-    summary = {**run.counters, "env_steps": learned_steps(run), "sps": totals["learned_steps"] / totals["wall_time_s"],
+    # The client is closed: these are the run's totals, the next resume goes on from them, and this session's
+    # time ends at the save, so that the sessions' times sum to the run's.
+    totals = save(run)
+    run.intrinsic.write_messages(os.path.join(args.run_dir, "messages.tsv"))
+    elapsed = totals["wall_time_s"] - run.saved_totals.get("wall_time_s", 0.0)
+    # The whole run's figures count the steps learned; the session_ ones this session's steps collected.
+    summary = {"env_steps": learned_steps(run), "updates": run.counters["updates"],
+               "episodes": run.counters["episodes"], "sps": totals["learned_steps"] / totals["wall_time_s"],
                "wall_time_s": totals["wall_time_s"],
-               "session_sps": (run.counters["env_steps"] - run.start_steps) / elapsed, "session_wall_time_s": elapsed,
+               "session_sps": (run.counters["collected_steps"] - run.start_collected) / elapsed,
+               "session_wall_time_s": elapsed,
                "policy_lag_mean": totals.get("lag_sum", 0.0) / max(totals.get("lag_steps", 0), 1),
                "intrinsic_max_reward": totals["max_reward"] if totals["max_reward"] > -math.inf else None,
                "intrinsic_terminal_step_reward": totals["terminal_paid"] / totals["terminal_steps"]
                if totals.get("terminal_steps") else None}
-    path = os.path.join(args.run_dir, "episodes.jsonl")  # all the run's episodes, resumed runs included
+    path = os.path.join(args.run_dir, "episodes.jsonl")  # All the run's episodes, resumed runs included.
     episodes = [json.loads(line) for line in open(path)] if os.path.exists(path) else []
     summary["mean_episode_return"] = float(np.mean([e["return"] for e in episodes])) if episodes else None
     for k in sorted({k for e in episodes for k in e} - {"return", "env_steps"}):
         summary[f"mean_{k}"] = float(np.mean([e[k] for e in episodes if k in e]))
     summary.update({"llm_labels": totals["llm_labels"], "llm_failures": totals["llm_failures"],
-                    "llm_parse_failures": totals["llm_parse_failures"], "annotator_restarts": totals["llm_restarts"],
+                    "llm_parse_failures": totals["llm_parse_failures"],
+                    "annotator_restarts": totals["llm_restarts"],
                     "llm_answers_restricted": llm.get("answers_restricted"),
                     "llm_answers_scored": llm.get("answers_scored"), "sessions": run.sessions})
     with open(os.path.join(args.run_dir, "summary.json"), "w") as f:

@@ -139,7 +139,7 @@ def measure(workers, envs_per_worker, batch_size, opts):
 
     def snapshot(run):
         acting = run.acting.pid
-        return np.array([time.perf_counter(), run.counters["env_steps"], run.sums["lag_sum"], run.sums["lag_steps"],
+        return np.array([time.perf_counter(), run.counters["collected_steps"], run.sums["lag_sum"], run.sums["lag_steps"],
                          time.process_time(), process_cpu_s(acting), sum(map(process_cpu_s, children(acting)))])
 
     def window(run):  # steady state: from --warmup seconds after the first update, for --seconds

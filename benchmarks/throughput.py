@@ -63,9 +63,9 @@ def timed_act_process(args, *rest):
     import oni_appo
     act, spent = oni_appo.act, [0.0]
 
-    def timed_act(run, conns, slots):
+    def timed_act(actor, conns, slots):
         start = time.perf_counter()
-        act(run, conns, slots)
+        act(actor, conns, slots)
         spent[0] += time.perf_counter() - start
     oni_appo.act = timed_act
     try:

@@ -250,9 +250,9 @@ def test_end_to_end_on_nle_then_resume(tmp_path):
         assert key in summary
     assert any(f.startswith("events.out.tfevents") for f in os.listdir(run_dir))
     checkpoint = torch.load(os.path.join(run_dir, "checkpoint.pt"), weights_only=False)
-    assert checkpoint["counters"]["env_steps"] == summary["env_steps"]
+    assert checkpoint["counters"]["learned_steps"] == summary["env_steps"]
     # what was learned, not what was collected (12,000 vs 11,776): a resume collects the rest again
-    assert checkpoint["counters"]["env_steps"] == checkpoint["counters"]["updates"] * 256
+    assert checkpoint["counters"]["learned_steps"] == checkpoint["counters"]["updates"] * 256
     assert "steps/s" in first.stdout
 
     with open(os.path.join(run_dir, "episodes.jsonl"), "a") as f:  # logged after the checkpoint, then a crash:
@@ -427,7 +427,7 @@ def test_a_dead_worker_ends_the_run_with_a_clear_error_and_a_checkpoint(tmp_path
     assert proc.returncode != 0
     assert err.strip().splitlines()[-1].startswith(error) and "Traceback" not in err
     assert f"--resume {run_dir}" in err
-    assert torch.load(os.path.join(run_dir, "checkpoint.pt"), weights_only=True)["counters"]["env_steps"] > 0
+    assert torch.load(os.path.join(run_dir, "checkpoint.pt"), weights_only=True)["counters"]["learned_steps"] > 0
 
 
 def test_an_acting_process_killed_mid_message_is_a_clear_failure_not_a_hang():
@@ -439,8 +439,8 @@ def test_an_acting_process_killed_mid_message_is_a_clear_failure_not_a_hang():
     learner_end, acting_end = multiprocessing.Pipe(duplex=False)
     os.write(acting_end.fileno(), struct.pack("!i", 1000) + b"part of a rollout message")  # a header, 1,000 promised
     acting_end.close()  # the process is gone
-    run = SimpleNamespace(full=learner_end, stop=SimpleNamespace(value=0), failure=None, ended=False,
-                          pending=collections.defaultdict(list), counters={"episodes": 0, "env_steps": 0})
+    run = SimpleNamespace(full_rollouts=learner_end, stop=SimpleNamespace(value=0), failure=None, ended=False,
+                          pending=collections.defaultdict(list), counters={"episodes": 0, "collected_steps": 0})
     assert oni_appo.next_message(run, 1) == (None, None)
     assert run.failure == "the acting process died" and run.stop.value == 1 and run.ended
 
@@ -460,8 +460,8 @@ def test_an_end_that_next_batch_read_is_not_waited_for_again():
             return self.alive.pop() if self.alive else False
         join = kill = lambda self, timeout=None: None
     acting_end.send(("end", None, [], 5))
-    run = SimpleNamespace(full=learner_end, acting=Exits(), stop=SimpleNamespace(value=1), failure=None,
-                          pending=collections.defaultdict(list), counters={"episodes": 0, "env_steps": 0}, ended=False)
+    run = SimpleNamespace(full_rollouts=learner_end, acting=Exits(), stop=SimpleNamespace(value=1), failure=None,
+                          pending=collections.defaultdict(list), counters={"episodes": 0, "collected_steps": 0}, ended=False)
     assert oni_appo.next_message(run, 0) == ("end", None)  # read by next_batch
     oni_appo.end_acting(run)
     assert run.failure is None
@@ -874,7 +874,7 @@ def test_a_reward_model_trainer_crash_saves_the_run_and_it_resumes_exactly(tmp_p
     def update_policy(run, batch, rewards):
         if "policy" not in seen:  # the first update
             seen["policy"] = copy.deepcopy((run.agent.state_dict(), run.optimizer.state_dict(),
-                                            dict(run.counters), run.start_steps))
+                                            dict(run.counters), run.start_collected))
             with torch.no_grad():  # acted on by the acting process with the weights it resumed from
                 logits, _ = run.agent.unroll(batch["obs"], batch["h0"], oni_appo.episode_cut(batch["end"]))
                 logp = torch.log_softmax(logits[:-1], -1).gather(-1, batch["action"][..., None]).squeeze(-1)
@@ -885,13 +885,13 @@ def test_a_reward_model_trainer_crash_saves_the_run_and_it_resumes_exactly(tmp_p
     monkeypatch.setattr(reward_models.TrainedModel, "start", start)
     monkeypatch.setattr(oni_appo, "learn", learn)
     monkeypatch.setattr(oni_appo, "update_policy", update_policy)
-    summary = train_in_process(tmp_path, ["--resume", str(run_dir), "--total-env-steps", str(saved["env_steps"] + 1024)],
+    summary = train_in_process(tmp_path, ["--resume", str(run_dir), "--total-env-steps", str(saved["learned_steps"] + 1024)],
                                monkeypatch)
-    assert summary["updates"] > saved["updates"] and summary["env_steps"] >= saved["env_steps"] + 1024
-    model, optimizer, counters, start_steps = seen["policy"]
+    assert summary["updates"] > saved["updates"] and summary["env_steps"] >= saved["learned_steps"] + 1024
+    model, optimizer, counters, start_collected = seen["policy"]
     assert_same(model, checkpoint["model"])
     assert_same(optimizer, checkpoint["optimizer"])
-    assert counters["updates"] == saved["updates"] and start_steps == saved["env_steps"]
+    assert counters["updates"] == saved["updates"] and start_collected == saved["learned_steps"]
     assert seen["behaviour gap"] < 1e-5
     assert_same(seen["reward model"], {k: v for k, v in intrinsic.items() if k in seen["reward model"]})
     assert_same(seen["messages"], {k: v for k, v in intrinsic.items() if k in seen["messages"]})

@@ -29,7 +29,7 @@ def assert_trained(result, run_dir, steps=3000):
     summary = json.load(open(os.path.join(run_dir, "summary.json")))
     assert summary["env_steps"] >= steps
     checkpoint = torch.load(os.path.join(run_dir, "checkpoint.pt"), weights_only=True)
-    assert checkpoint["counters"]["env_steps"] == summary["env_steps"]
+    assert checkpoint["counters"]["learned_steps"] == summary["env_steps"]
     return summary, checkpoint
 
 

@@ -2,6 +2,7 @@
 one that needs pickle loads only with --trust-checkpoint, which rewrites it safe; bad files are one-line errors."""
 import collections
 import dataclasses
+import json
 import pickle
 import time
 from types import SimpleNamespace
@@ -45,7 +46,7 @@ def saved_run(tmp_path, reward_type):
     if reward_type in ("classification", "ranking"):
         assert intrinsic.piece.train_now(2, batch_size=8) == 2
     return SimpleNamespace(args=args, agent=agent, optimizer=optimizer, intrinsic=intrinsic, client=None,
-                           counters={"env_steps": 512, "updates": 2, "episodes": 1}, saved_totals={},
+                           counters={"collected_steps": 640, "updates": 2, "episodes": 1}, saved_totals={},
                            sums=collections.Counter(max_reward=0.5), start_time=time.time(), start_learned=0,
                            sessions=[oni_appo.run_record(args)])
 
@@ -56,9 +57,12 @@ def labels(reward_type):
     return [{"caption": t, "label": label} for t, _, label in LABELLED_STEPS]
 
 
+OLD_COUNTERS = {"env_steps": 512, "updates": 2, "episodes": 1}  # env_steps: the steps learned
+
+
 def old_checkpoint(run, path):
     """A checkpoint as oni_appo.save wrote it before this change: the state as it is, numpy arrays and all."""
-    torch.save(dict(model=run.agent.state_dict(), optimizer=run.optimizer.state_dict(), counters=run.counters,
+    torch.save(dict(model=run.agent.state_dict(), optimizer=run.optimizer.state_dict(), counters=OLD_COUNTERS,
                     args=dataclasses.asdict(run.args), intrinsic=run.intrinsic.state_dict(), totals={}), path)
 
 
@@ -122,14 +126,14 @@ def test_an_old_checkpoint_loads_only_with_the_flag_and_is_then_saved_safe(tmp_p
     assert args.reward_type == "classification" and "rewrote it in the safe format" in capsys.readouterr().err
     safe = torch.load(path, weights_only=True)
     assert_same(resumed_state(run, safe), oni_appo.plain(run.intrinsic.state_dict()))
-    assert oni_appo.load_checkpoint(str(path))[1]["counters"] == run.counters  # no flag needed any more
+    assert oni_appo.load_checkpoint(str(path))[1]["counters"] == OLD_COUNTERS  # no flag needed any more
 
     old_checkpoint(run, path)  # evaluate.py takes the flag too
     loaded = []
     monkeypatch.setattr(evaluate, "load_checkpoint", lambda *a: loaded.append(oni_appo.load_checkpoint(*a)) or 1 / 0)
     with pytest.raises(ZeroDivisionError):  # stopped once loaded: no game played
         evaluate.evaluate(evaluate.Args(str(path), device="cpu", trust_checkpoint=True))
-    assert loaded and torch.load(path, weights_only=True)["counters"] == run.counters
+    assert loaded and torch.load(path, weights_only=True)["counters"] == OLD_COUNTERS
 
 
 @pytest.mark.parametrize("reward_type", ["retrieval", "classification", "ranking"])
@@ -146,6 +150,30 @@ def test_a_saved_checkpoint_loads_safely_and_resumes_as_the_state_itself(tmp_pat
     assert_same(resumed_state(run, checkpoint), resumed_state(run, in_memory))
     assert checkpoint["intrinsic"]["seen"][0] and isinstance(checkpoint["intrinsic"]["seen"][1], torch.Tensor)
     assert oni_appo.plain({"n": np.float64(0.5), "c": collections.Counter(a=1)}) == {"n": 0.5, "c": {"a": 1}}
+
+
+def test_a_checkpoint_counts_the_steps_learned_and_one_that_calls_them_env_steps_resumes_there(tmp_path, capsys):
+    """A checkpoint holds the steps learned, not the ones collected ahead of them; checkpoints written before the two
+    were counted apart call them env_steps. A resume of either collects again from there and keeps the episodes
+    that ended up to there."""
+    run = saved_run(tmp_path, "retrieval")  # 512 steps learned (2 updates of 256), 640 collected
+    oni_appo.save(run)
+    path = tmp_path / "checkpoint.pt"
+    checkpoint = torch.load(path, weights_only=True)
+    assert checkpoint["counters"] == {"learned_steps": 512, "updates": 2, "episodes": 1}
+    checkpoint["counters"] = {"env_steps": checkpoint["counters"].pop("learned_steps"), **checkpoint["counters"]}
+    torch.save(checkpoint, path)
+    (tmp_path / "episodes.jsonl").write_text("".join(json.dumps({"return": 0.0, "env_steps": s}) + "\n"
+                                                     for s in (100, 512, 600)))
+    args = dataclasses.replace(run.args, resume=str(path))
+    agent = oni_appo.Agent()
+    intrinsic = rm.IntrinsicReward(args, "cpu")
+    intrinsic.add_labels(labels(args.reward_type))
+    counters = {"collected_steps": 0, "updates": 0, "episodes": 0}
+    oni_appo.resume(args, agent, torch.optim.Adam(agent.parameters(), lr=1e-4), intrinsic, counters)
+    assert counters == {"collected_steps": 512, "updates": 2, "episodes": 2}
+    assert f"resumed from {path} at 512 env steps" in capsys.readouterr().out
+    assert [json.loads(e)["env_steps"] for e in open(tmp_path / "episodes.jsonl")] == [100, 512]
 
 
 def test_a_truncated_or_foreign_file_is_a_one_line_error(tmp_path, recwarn):

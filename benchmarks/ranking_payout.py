@@ -154,6 +154,7 @@ def main():
     parser.add_argument("--root", default=os.path.join(runs.ROOT, "results", "free_1m_rerun"))
     parser.add_argument("--seed", type=int, default=1, help="the reward model's training and the draws' seed")
     parser.add_argument("--sample", type=int, default=16_384, help="steps of the `sample` reference")
+    parser.add_argument("--hand-labels", default=runs.LABEL_SETS, help="the hand labels' label_sets.tsv")
     parser.add_argument("--show", default="sim: by pay weight/sample/now",
                         help="the rule whose most paid messages are printed")
     args = parser.parse_args()
@@ -161,7 +162,7 @@ def main():
     torch.set_num_threads(1)
     found = runs.run_dirs(args.root)
     side = runs.llm_labels(*[r for r in found if "free_retrieval" in r or "free_classification" in r])
-    hand = {t: label for t, (label, _) in runs.hand_labels().items()}
+    hand = {t: label for t, (label, _) in runs.hand_labels(args.hand_labels).items()}
     control = collections.Counter()
     for run in [r for r in found if "free_none" in r]:
         control.update({t: m.steps for t, m in runs.read_messages(run)[0].items()})

@@ -924,7 +924,7 @@ def test_ranking_pays_the_helpful_steps_not_the_frequent_unhelpful_ones(ranked):
     R = ranked.piece.score(rm.to_rows(texts), texts)
     paid = lambda where: (steps * (R > 0))[where].sum().item() / steps[where].sum().item()
     assert paid(helpful) >= 0.8 and paid(~helpful) <= 0.05, (paid(helpful), paid(~helpful))
-    assert R[texts.index(WALL)] == 0
+    assert R[~helpful].eq(0).all(), R  # neither paid nor charged: the median rule gave some a negative z
 
 
 def test_a_death_is_not_paid(ranked):

@@ -156,7 +156,8 @@ def main():
     parser.add_argument("--sample", type=int, default=16_384, help="steps of the `sample` reference")
     parser.add_argument("--hand-labels", default=runs.LABEL_SETS, help="the hand labels' label_sets.tsv")
     parser.add_argument("--show", default="sim: by pay weight/sample/now",
-                        help="the rule whose most paid messages are printed")
+                        help="the rule whose most paid messages, and most paid hand-unhelpful ones, are printed")
+    parser.add_argument("--only", default=None, help="train on this set of pairs only (e.g. 'sim: by pay weight')")
     args = parser.parse_args()
     import torch
     torch.set_num_threads(1)
@@ -194,7 +195,7 @@ def measure(run, name, hand, side, fixed, args, table, shown):
     sets, changed = pair_sets(run, side, args.seed, original)
     print(f"{name}: {len(sets['recorded'])} pairs; the tie rule changes {changed:.1%} of their answers",
           flush=True)
-    for pairs, records in sets.items():
+    for pairs, records in [(k, v) for k, v in sets.items() if args.only in (None, k)]:
         model = train(records, args.seed)
         references = {"steps": dict(zip(texts, steps)), **fixed,
                       "pairs": collections.Counter(fold(t) for r in records for t in r["pair"])}
@@ -211,6 +212,8 @@ def measure(run, name, hand, side, fixed, args, table, shown):
                                                    + [R[texts.index(DEATH)] if DEATH in messages else 0.0])
                 if "/".join(key) == args.show:
                     shown[name] = sorted(zip(weight * R, texts, R), reverse=True)[:8]
+                    shown[name + " (hand-unhelpful)"] = sorted(
+                        (w * r, t, r) for w, t, r, c in zip(weight, texts, R, labels["hand"]) if c == 0)[::-1][:8]
 
 
 def print_table(table):

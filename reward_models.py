@@ -85,7 +85,7 @@ class RankingNorm:
     while the outputs over the reference span less than MIN_SPREAD: a z-score would turn noise into
     rewards."""
 
-    def __init__(self, mean=None, std=None, **_): self.mean, self.std = mean, std  # (older: a median too)
+    def __init__(self, mean=None, std=None, **_): self.mean, self.std = mean, std  # Older ones hold a median.
 
     def fit(self, values: torch.Tensor, weights: torch.Tensor):
         if (values.max() - values.min()).item() < MIN_SPREAD:
@@ -345,7 +345,7 @@ class Ranking(TrainedModel):
         log_p = torch.log_softmax(torch.stack([rewards[:batch_size], rewards[batch_size:]], dim=1), dim=1)
         return -(torch.stack([preference, 1 - preference], dim=1) * log_p).sum(1).mean()  # Bradley-Terry
 
-    def see(self, texts, steps):  # whole batches to the reference until it holds REFERENCE_STEPS steps
+    def see(self, texts, steps):  # Whole batches go to the reference until it holds REFERENCE_STEPS steps.
         super().see(texts, steps)
         with self.lock:
             if self.reference.total() < REFERENCE_STEPS:
@@ -364,7 +364,7 @@ class Ranking(TrainedModel):
     def state_dict(self) -> dict:
         return {**super().state_dict(), "reference": dict(self.reference)}
 
-    def load_state_dict(self, state):  # (older checkpoints hold the last batches' steps: the closest)
+    def load_state_dict(self, state):  # Older checkpoints hold only the last batches' steps: the closest.
         recent = map(collections.Counter, state.get("trainer", {}).get("recent", []))
         self.reference = collections.Counter(state.get("reference") or sum(recent, collections.Counter()))
         super().load_state_dict(state)

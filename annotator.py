@@ -61,10 +61,21 @@ DEMOS_PER_LABEL = 4
 # paying at most 5% of dev's unhelpful steps with the message's group, and with only itself, out of the pool (as
 # new messages are asked), then most agreement + helpful steps (label_quality.py --calibrate). Chosen on the
 # smaller pool of 2026-11-24 and kept on today's (benchmarks/README.md: 0.31 paid more unhelpful messages).
-# Pairs tie within TIE_MARGIN.
+# Pairs: see preference().
 THRESHOLD, TIE_MARGIN = 0.80, 0.5
 LABEL_TAG = re.compile(r"<label>\s*(FOO|BAR)\s*</label>", re.IGNORECASE)
 PREFERENCE = re.compile(r"best_description\"?\s*:\s*\"?(1|2|None)", re.IGNORECASE)
+
+
+def preference(first: float, second: float):
+    """A pair's answer from its two messages' scores: 1 or 2, the better one, or None, a tie. Two messages on
+    the same side of THRESHOLD tie, since the labeler calls both alike: a gap between two unhelpful scores
+    is no judgement of the goal, yet it taught the ranking model an order that paid "It's a wall." above the
+    other unhelpful messages. Across THRESHOLD, scores closer than TIE_MARGIN tie too: the labeler hardly
+    tells them apart."""
+    if (first > THRESHOLD) == (second > THRESHOLD) or abs(first - second) < TIE_MARGIN:
+        return None
+    return 1 if first > second else 2
 
 
 def parse_label(text: str):
@@ -291,12 +302,12 @@ class Labeler:
         if not is_pair:
             return score if (score := self.score(item, server)) is UNPARSEABLE else int(score > THRESHOLD)
         # A small base model cannot compare two messages (the 270M default answers by position, not content):
-        # a pair's preference comes from the two messages' own scores, a tie only when they are close.
+        # a pair's preference comes from the two messages' own scores.
         first, second = (self.scores[m] if m in self.scores else self.score(m, server) for m in item)
         if UNPARSEABLE in (first, second):
             return UNPARSEABLE
         self.scores.update({item[0]: first, item[1]: second})
-        return None if abs(first - second) < TIE_MARGIN else 1 if first > second else 2
+        return preference(first, second)
 
 
 class LabelTable:

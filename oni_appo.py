@@ -84,7 +84,7 @@ class Args:
     max_episode_steps: int = envs.MAX_EPISODE_STEPS
     """time limit of an episode in steps (truncated, bootstrapped); NLE's default 5000"""
     raw_ranking: bool = False
-    """ranking: the reward model's raw output (as the reference code), not normalized, median-thresholded"""
+    """ranking as the reference code: the model's raw output as R, pairs drawn by steps (see README)"""
     reward_model_share: float = 1.0
     """classification/ranking: the most of wall time their trainer may take (1: no rest, see README)"""
     llm_url: list[str] = field(default_factory=list)

@@ -23,11 +23,11 @@ import envs
 SMALL_SET = 25_000  # below this many labels, train 32 steps per 100 new labels (the reference merged
 BURST = 32  # its client's newest 100 labels at once, then trained 32 steps): a first fit of 32 steps,
 STEPS_PER_LABEL = BURST / 100  # then 0.32 steps per label as labels arrive, at most 32 per burst
-PAIR_POOL_EVERY = 10  # every 10th step's message enters the pool that ranking pairs are drawn from
+PAIR_POOL_EVERY = 10  # --raw-ranking: every 10th step's message enters the pool that pairs are drawn from
 PAIR_POOL_SIZE = 100_000  # beyond this the pool is a uniform sample of all of them
 PAIRS_PER_BATCH = 8  # ranking draws this many pairs per learner batch: asked, or reused when already answered
-RECENT_BATCHES = 8  # ranking statistics are taken over the steps of the last 8 learner batches
-RANKING_CLIP = 5.0  # a ranking reward is a z-score: at most 5 standard deviations
+REFERENCE_STEPS = 16_384  # ranking's statistics are taken over the messages of the run's first steps
+RANKING_BAR, RANKING_CLIP = 1.5, 5.0  # a ranking reward: a z-score paid above 1.5 std, at most 5
 MIN_SPREAD = 0.5  # ...of a model whose outputs differ by at least this (Bradley-Terry log-odds)
 FIT_RECALL, UNFIT_RECALL = 0.9, 0.85  # the classifier pays once it recalls 90% of each class's steps, stops below 85%
 GATE_MESSAGES = 1024  # ...judged on this many labelled messages a class, those that showed the most steps
@@ -80,27 +80,26 @@ class MessageEncoder(nn.Module):
 
 
 class RankingNorm:
-    """Ranking rewards as z-scores over the messages of recent steps (weighted by steps, the empty message
-    excluded): R = z above the step median, else 0, clipped to +-RANKING_CLIP. Nothing is paid before a fit,
-    nor while the outputs over those messages span less than MIN_SPREAD: a z-score would turn noise into rewards."""
+    """Ranking rewards as z-scores over a fixed reference of steps (weighted by steps, the empty message
+    excluded): R = z where z > RANKING_BAR, else 0, at most RANKING_CLIP. Nothing is paid before a fit, nor
+    while the outputs over the reference span less than MIN_SPREAD: a z-score would turn noise into
+    rewards."""
 
-    def __init__(self, mean=None, std=None, median=None): self.mean, self.std, self.median = mean, std, median
+    def __init__(self, mean=None, std=None, **_): self.mean, self.std = mean, std  # Older ones hold a median.
 
     def fit(self, values: torch.Tensor, weights: torch.Tensor):
         if (values.max() - values.min()).item() < MIN_SPREAD:
-            self.mean = self.std = self.median = None
+            self.mean = self.std = None
             return
-        w, order = weights.float() / weights.sum(), values.argsort()
+        w = weights.float() / weights.sum()
         mean = (w * values).sum()
-        middle = torch.searchsorted(w[order].cumsum(0), torch.tensor(0.5, device=values.device))
-        self.mean, self.median = mean.item(), values[order][middle.clamp(max=len(values) - 1)].item()
-        self.std = max((w * (values - mean) ** 2).sum().sqrt().item(), 1e-6)
+        self.mean, self.std = mean.item(), max((w * (values - mean) ** 2).sum().sqrt().item(), 1e-6)
 
     def __call__(self, values: torch.Tensor) -> torch.Tensor:
         if self.mean is None:
             return torch.zeros_like(values)
-        z = ((values - self.mean) / self.std).clamp(-RANKING_CLIP, RANKING_CLIP)
-        return torch.where(values > self.median + 1e-3, z, torch.zeros_like(z))  # outputs jitter ~1e-6 by batch
+        z = ((values - self.mean) / self.std).clamp(max=RANKING_CLIP)
+        return torch.where(z > RANKING_BAR, z, torch.zeros_like(z))
 
 
 class NoReward:
@@ -162,7 +161,6 @@ class TrainedModel(NoReward):
         self.model = nn.Sequential(collections.OrderedDict(encoder=MessageEncoder(), head=head)).to(device)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=1e-4)
         self.rng, self.lock, self.stop = random.Random(args.seed), threading.Lock(), threading.Event()
-        self.recent = collections.deque(maxlen=RECENT_BATCHES)  # {message: steps} of recent batches
         self.new_labels = self.batches = self.model_steps = self.burst = 0  # burst: the steps of one not yet published
         self.loss, self.busy_s, self.started, self.owed_steps, self.published = None, 0.0, None, 0.0, None
 
@@ -175,7 +173,6 @@ class TrainedModel(NoReward):
     def see(self, texts, steps):
         with self.lock:
             self.batches += 1
-            self.recent.append(dict(zip(texts, steps.tolist())))
 
     def ready(self): return len(self.data) > 0
 
@@ -245,8 +242,7 @@ class TrainedModel(NoReward):
         owed since: a resume goes on from there exactly (the steps of a burst cut short are owed again)."""
         with self.lock:
             published, trainer = self.published, {"owed_steps": self.owed_steps + self.burst, "batches": self.batches,
-                                                  "new_labels": self.new_labels, "labels": len(self.data),
-                                                  "recent": list(self.recent)}
+                                                  "new_labels": self.new_labels, "labels": len(self.data)}
         return dict(published or {}, trainer=trainer, **({"model": published["model"].state_dict()} if published else {}))
 
     def load_state_dict(self, state):  # before start(), after the run's labels came back from labels.jsonl
@@ -255,7 +251,6 @@ class TrainedModel(NoReward):
         # labels the model had not trained on when saved, and those the LLM gave after the checkpoint
         # (fewer if labels.jsonl lost the last records a crash cut short: not below none)
         self.new_labels = max(0, trainer.get("new_labels", 0) + len(self.data) - trainer.get("labels", len(self.data)))
-        self.recent.extend(trainer.get("recent", []))
         if state.get("model_steps"):
             self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
@@ -328,13 +323,15 @@ class Classification(TrainedModel):
 
 
 class Ranking(TrainedModel):
-    """ONI-Ranking: R = RankingNorm of a Bradley-Terry model trained on the LLM's preferences over pairs."""
+    """ONI-Ranking: R = RankingNorm of a Bradley-Terry model trained on the LLM's preferences over pairs, its
+    statistics refit at each publication over the messages of the run's first REFERENCE_STEPS steps: over
+    recent steps, what was paid moved with what the policy did."""
     asks, scoring_keys = "pairs", ("norm",)
 
     def __init__(self, args, device):
         super().__init__(args, device, nn.Sequential(
             nn.Linear(128, 256), nn.ReLU(), nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 1), nn.Flatten(0)))
-        self.data = self.pairs
+        self.data, self.reference = self.pairs, collections.Counter()  # reference: message -> steps
 
     def reward(self, published, rows):
         raw = published["model"](rows)
@@ -348,14 +345,29 @@ class Ranking(TrainedModel):
         log_p = torch.log_softmax(torch.stack([rewards[:batch_size], rewards[batch_size:]], dim=1), dim=1)
         return -(torch.stack([preference, 1 - preference], dim=1) * log_p).sum(1).mean()  # Bradley-Terry
 
-    @torch.no_grad()
-    def scoring(self, model):  # the statistics over the messages of recent steps, weighted by steps
+    def see(self, texts, steps):  # Whole batches go to the reference until it holds REFERENCE_STEPS steps.
+        super().see(texts, steps)
         with self.lock:
-            steps = sum(map(collections.Counter, self.recent), collections.Counter())
+            if self.reference.total() < REFERENCE_STEPS:
+                self.reference.update(dict(zip(texts, steps.tolist())))
+
+    @torch.no_grad()
+    def scoring(self, model):  # the statistics over the reference's messages, weighted by steps
+        with self.lock:
+            reference = dict(self.reference)
         norm = RankingNorm()
-        if steps:
-            norm.fit(outputs(model, list(steps), self.device), torch.tensor(list(steps.values()), device=self.device))
+        if reference:
+            steps = torch.tensor(list(reference.values()), device=self.device)
+            norm.fit(outputs(model, list(reference), self.device), steps)
         return {"norm": vars(norm)}
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "reference": dict(self.reference)}
+
+    def load_state_dict(self, state):  # Older checkpoints hold only the last batches' steps: the closest.
+        recent = map(collections.Counter, state.get("trainer", {}).get("recent", []))
+        self.reference = collections.Counter(state.get("reference") or sum(recent, collections.Counter()))
+        super().load_state_dict(state)
 
 
 class Motif(Ranking):
@@ -368,7 +380,7 @@ class Motif(Ranking):
         super().add_labels(annotator.read_labels(args.labels_from) if args.labels_from else [])
         if not self.pairs:
             raise SystemExit("error: --reward-type motif needs --labels-from FILE with annotated pairs")
-        self.recent.append(collections.Counter(t for p in self.pairs for t in p[:2] if t))  # what scoring() reads
+        self.reference.update(t for p in self.pairs for t in p[:2] if t)  # what scoring() reads
         self.train_now(max(300, 10 * len(self.pairs) // 256))
         if self.published["norm"]["mean"] is None and not args.raw_ranking:
             raise SystemExit(f"error: the reward model trained on {args.labels_from} does not tell its "
@@ -376,6 +388,7 @@ class Motif(Ranking):
 
     def ready(self): return False  # frozen: no training is ever due
     def add_labels(self, records): pass
+    def see(self, texts, steps): pass  # its statistics are the file's
     def start(self, share=1.0): pass
 
 
@@ -432,17 +445,18 @@ class IntrinsicReward:
         paid = count_normalized(values[torch.from_numpy(inverse).to(self.device)].view(env_reward.shape),
                                 counts, self.args.count_beta)
         self.piece.see([t for t, keep in zip(texts, nonempty) if keep], steps[nonempty])
+        weights = counts.flatten().cpu().numpy().clip(min=1).astype(np.float64) ** -self.args.count_beta
         if self.piece.asks == "captions":  # new captions to ask
             new = [texts[i] for i in np.argsort(-steps, kind="stable")  # most steps first: a full backlog takes the first
                    if nonempty[i] and texts[i] not in self.piece.labels and texts[i] not in self.asked]  # (not A to Z)
             self.asked.update(dict.fromkeys(new, time.time()))
             self.to_ask += new
-        elif self.piece.asks == "pairs":  # every 10th step's message to the pair pool: frequent ones compared more
-            for text in [texts[i] for i in inverse[(-self.steps_seen) % PAIR_POOL_EVERY::PAIR_POOL_EVERY] if nonempty[i]]:
-                self.add_to_pool(text)
+        elif self.piece.asks == "pairs":
+            for i in self.offered(inverse, weights):
+                if nonempty[i]:
+                    self.add_to_pool(texts[i])
             self.steps_seen, self.batches_to_pair = self.steps_seen + len(inverse), self.batches_to_pair + 1
         paid_per_message = np.bincount(inverse, weights=paid.flatten().cpu().numpy(), minlength=len(texts))
-        weights = counts.flatten().cpu().numpy().clip(min=1).astype(np.float64) ** -self.args.count_beta
         firsts = np.bincount(inverse, weights=weights, minlength=len(texts))
         for text, n, total, first in zip(texts, steps.tolist(), paid_per_message.tolist(), firsts.tolist()):
             self.seen[text], self.paid[text] = self.seen.get(text, 0) + n, self.paid.get(text, 0.0) + total
@@ -452,6 +466,15 @@ class IntrinsicReward:
         if terminal.any():  # deaths and successes: scored with their own last message
             stats["terminal_step_reward"] = paid[terminal].mean().item()
         return mix(env_reward, paid, self.args), paid, stats
+
+    def offered(self, inverse, weights):
+        """The steps whose messages enter the pair pool: each with probability its pay weight 1 / N^beta, so
+        that pairs are drawn as the count normalization pays: a kill seen once an episode is compared about as
+        often as a wall bumped into 50 times an episode, not a 50th as often. --raw-ranking: every 10th step,
+        the reference's frequencies."""
+        if self.args.raw_ranking:
+            return inverse[(-self.steps_seen) % PAIR_POOL_EVERY::PAIR_POOL_EVERY]
+        return inverse[np.array([self.rng.random() < w for w in weights.tolist()], dtype=bool)]
 
     def add_to_pool(self, text):
         """Reservoir sampling: the bounded pool stays a uniform sample of every step offered."""

@@ -790,18 +790,24 @@ def test_a_server_without_log_probabilities_gets_greedy_answers_and_says_so_once
 
 
 @pytest.mark.parametrize("fake", ["fake-base"], indirect=True)  # chat prompts ask for the preference itself
-def test_a_pair_preference_comes_from_the_two_scores_a_tie_only_when_close(fake, tmp_path, monkeypatch):
+def test_a_pair_preference_comes_from_the_two_scores_a_tie_on_one_side_of_the_threshold(fake, tmp_path,
+                                                                                         monkeypatch):
+    """Before, two messages on the same side were ordered by their gap: "It's a wall." won its unhelpful
+    pairs."""
     monkeypatch.setattr(annotator, "TIE_MARGIN", 0.5)
+    monkeypatch.setattr(annotator, "THRESHOLD", 0.8)
     fake.margins = {"You kill the newt!": 3.0, "You kill the jackal!": 2.8, "$ - 2 gold pieces.": 1.0,
-                    "It's a wall.": -2.0, "It's solid stone.": -2.3}
+                    "It's a wall.": -0.5, "It's solid stone.": -2.3, "You see here a dart.": 0.9,
+                    "Never mind.": 0.6}
     pairs = [("You kill the newt!", "You kill the jackal!"), ("$ - 2 gold pieces.", "You kill the newt!"),
-             ("It's a wall.", "It's solid stone."), ("It's solid stone.", "$ - 2 gold pieces.")]
+             ("It's a wall.", "It's solid stone."), ("It's solid stone.", "$ - 2 gold pieces."),
+             ("You see here a dart.", "Never mind."), ("It's a wall.", "You see here a dart.")]
     a = Annotator(fake.url, tmp_path)
     a.send(pairs=pairs)
     assert a.wait_for(lambda: len(a.labels) == len(pairs))
     a.close()
-    # both helpful, yet one more so: not a tie; a tie only where the scores are within TIE_MARGIN
-    assert [a.labels[annotator.item_key(p)] for p in pairs] == [None, 2, None, 2]
+    # both helpful or both not: a tie, however far apart; across the threshold, a tie only within TIE_MARGIN
+    assert [a.labels[annotator.item_key(p)] for p in pairs] == [None, None, None, 2, None, 2]
     assert a.stats["answers_scored"] == 1 and "logprobs" in fake.calls[-1][1]
 
 

@@ -82,14 +82,15 @@ def test_ellm_trains_end_to_end(tmp_path, embedder):
 
 
 def write_pairs(path, repeats=60):
-    """Annotated pairs in the format annotator.py writes to labels.jsonl, both orders and some ties."""
+    """Annotated pairs in the format annotator.py writes to labels.jsonl, both orders and ties: as in a run's
+    pairs, most messages compared are unhelpful (Motif pays z-scores over them, above RANKING_BAR)."""
     with open(path, "w") as f:
         for _ in range(repeats):
             for good in HELPFUL:
                 for bad in UNHELPFUL:
                     f.write(json.dumps({"pair": [good, bad], "preference": 1}) + "\n")
                     f.write(json.dumps({"pair": [bad, good], "preference": 2}) + "\n")
-            f.write(json.dumps({"pair": UNHELPFUL, "preference": None}) + "\n")
+            f.write((json.dumps({"pair": UNHELPFUL, "preference": None}) + "\n") * 10)
 
 
 def test_motif_trains_end_to_end_from_a_labels_file(tmp_path):

@@ -96,7 +96,7 @@ def test_bradley_terry_recovers_a_known_order_from_noisy_pairs():
     assert scores == sorted(scores), scores
 
 
-def test_ranking_reward_is_a_step_weighted_z_score_zeroed_at_or_below_the_median():
+def test_ranking_reward_is_a_step_weighted_z_score_paid_above_its_bar():
     norm = rm.RankingNorm()
     assert norm(torch.tensor([3.0])).item() == 0.0  # no statistics yet: no reward
     norm.fit(torch.tensor([0.0, 0.2]), torch.ones(2))  # a model that does not tell them apart yet
@@ -104,12 +104,11 @@ def test_ranking_reward_is_a_step_weighted_z_score_zeroed_at_or_below_the_median
     values = torch.arange(8.0)
     norm.fit(values, torch.ones(8))
     standardized = (values - values.mean()) / values.std(unbiased=False)
-    expected = torch.where(values > 3.0, standardized, torch.zeros(8))  # step median: 3
+    expected = torch.where(standardized > rm.RANKING_BAR, standardized, torch.zeros(8))  # 7: z 1.53
     torch.testing.assert_close(norm(values), expected)
-    # per step, not per distinct message: a message on 90% of the steps is the median, gets nothing,
-    # and the mean and std are weighted by steps
+    # per step, not per distinct message: the mean and std are weighted by steps
     norm.fit(torch.tensor([0.0, 1.0]), torch.tensor([9, 1]))
-    assert (norm.mean, norm.median) == (pytest.approx(0.1), 0.0) and norm.std == pytest.approx(0.3)
+    assert norm.mean == pytest.approx(0.1) and norm.std == pytest.approx(0.3)
     torch.testing.assert_close(norm(torch.tensor([0.0, 1.0])), torch.tensor([0.0, 3.0]))
     norm.fit(torch.tensor([0.0, 1.0]), torch.tensor([999, 1]))  # a rare message is clipped at 5 std
     assert norm(torch.tensor([1.0])).item() == rm.RANKING_CLIP
@@ -342,10 +341,11 @@ def test_motif_trains_offline_from_pairs_then_stays_frozen(tmp_path):
     random.seed(0)
     good, bad = "You kill the newt!", "It's a wall."
     path = tmp_path / "pairs.jsonl"
-    with open(path, "w") as f:
+    with open(path, "w") as f:  # as in a run's pairs, most messages compared are unhelpful
         for _ in range(300):
             f.write(json.dumps({"pair": [good, bad], "preference": 1}) + "\n")
             f.write(json.dumps({"pair": [bad, good], "preference": 2}) + "\n")
+            f.write((json.dumps({"pair": [bad, "You hear a door open."], "preference": None}) + "\n") * 3)
     model = rm.IntrinsicReward(make_args(reward_type="motif", labels_from=str(path), raw_ranking=True), "cpu")
     assert model.label_requests() == ([], [])  # no LLM at training time
     frozen = {k: v.clone() for k, v in model.piece.model.state_dict().items()}
@@ -360,7 +360,8 @@ def test_motif_trains_offline_from_pairs_then_stays_frozen(tmp_path):
     rewards, _, _ = model.rewards(*steps_of([(good, 3), (bad, 300), ("You hear a door open.", 100)]))
     model.piece.train_now()
     assert model.piece.published["norm"] == frozen
-    assert model.piece.score(rm.to_rows([good, bad]), [good, bad]).tolist() == [pytest.approx(1.0, abs=1e-3), 0.0]
+    R = model.piece.score(rm.to_rows([good, bad]), [good, bad])
+    assert R.tolist() == [pytest.approx(2.0, abs=0.05), 0.0]  # a fifth of the messages compared: z = 2
     with pytest.raises(SystemExit, match="motif needs --labels-from"):
         rm.IntrinsicReward(make_args(reward_type="motif"), "cpu")
 
@@ -433,7 +434,7 @@ def test_ranking_rewards_are_bounded_z_scores_from_the_first_rewarded_update(tmp
             if R.abs().sum() > 0:
                 rewarded_updates += 1
                 assert R.abs().max().item() <= rm.RANKING_CLIP  # was 20.7 at update 20 before the fix
-                assert R[1].item() == 0  # the wall fills more than half of the non-empty steps: the median
+                assert R[1].item() == 0  # the wall, unhelpful, ties its unhelpful pairs
     finally:
         thread.close()
         server.stop()
@@ -794,7 +795,7 @@ def test_scoring_changes_nothing(reward_type):
 
     def snapshot():
         return copy.deepcopy((model.state_dict(), model.train_stats(), piece.rng.getstate(), torch.get_rng_state(),
-                              piece.new_labels, piece.batches, piece.owed_steps, list(piece.recent),
+                              piece.new_labels, piece.batches, piece.owed_steps, vars(piece).get("reference"),
                               piece.model.training, piece.published["model"].training))
 
     before = snapshot()
@@ -879,7 +880,8 @@ def test_a_crash_of_the_trainer_thread_stops_the_learner(monkeypatch):
 
 def test_a_resume_continues_the_reward_model_exactly(monkeypatch):
     """A resume forgave the trainer's owed steps (288 owed became 0), the labels it had not trained on yet and those
-    answered after the checkpoint, restarted its sampling stream from the seed, and ranking's recent window empty."""
+    answered after the checkpoint, restarted its sampling stream from the seed, and ranking's recent window
+    empty."""
     records = [{"caption": f"You kill the {m}!", "label": 1} for m in MONSTERS[:4]] + [
         {"caption": f"The {m} bites!", "label": 0} for m in MONSTERS]
     model = rm.IntrinsicReward(make_args(reward_type="classification"), "cpu")
@@ -912,7 +914,7 @@ def test_a_resume_continues_the_reward_model_exactly(monkeypatch):
         ranking.piece.see([f"message {i}", "It's a wall."], np.array([i + 1, 10]))
     again = rm.IntrinsicReward(make_args(reward_type="ranking"), "cpu")
     again.load_state_dict(ranking.state_dict())
-    assert list(again.piece.recent) == list(ranking.piece.recent) and again.piece.batches == 3
+    assert again.piece.reference == ranking.piece.reference and again.piece.batches == 3
 
 
 def test_new_captions_are_asked_most_seen_first():
@@ -983,3 +985,128 @@ def test_the_classifier_trains_only_while_its_labels_hold_both_classes():
     assert model.piece.ready()
     model.add_labels([{"caption": "You kill the newt!", "label": 0}])  # a re-ask answered otherwise
     assert not model.piece.ready() and model.piece.keys == ["It's a wall.", "You kill the newt!"]
+
+
+# a young agent's steps as in results/free_1m_rerun's free_ranking, with the labeler's scores (helpful above
+# annotator.THRESHOLD): "It's a wall." on a quarter of them and the best scored unhelpful message, the pet's
+# rare pickups and drops just under the threshold, kills and gold on 4% of the steps; (message, steps, score)
+PET = [f"The kitten {verb} {item}." for verb in ("picks up", "drops") for item in
+       ("a dart", "an apple", "a dagger", "a food ration", "a scroll", "a ring", "a wand", "a potion")]
+DEATH = "You die..."
+RANKED_STEPS = ([(WALL, 240, 0.3), ("Never mind.", 150, -1.0), ("It's solid stone.", 100, -2.0),
+                 ("What a strange direction!", 80, -1.5), ("Unknown command '^M'.", 80, -2.5),
+                 ("You kick at empty space.", 40, -0.5), ("You swap places with your kitten.", 30, 0.0),
+                 (DEATH, 3, 0.2)]
+                + [(t, 2, 0.5) for t in PET] + [(f"You kill the {m}!", 2, 2.0) for m in MONSTERS[:8]]
+                + [(f"You see here {n} gold pieces.", 2, 1.5) for n in range(2, 10)])
+SCORE = {t: score for t, _, score in RANKED_STEPS}
+
+
+def answered(pairs):  # what the annotator answers, from the two scores
+    return [{"pair": list(pair), "preference": annotator.preference(SCORE[pair[0]], SCORE[pair[1]])}
+            for pair in pairs]
+
+
+@pytest.fixture(scope="module")
+def ranked():
+    """A ranking learner after 20 batches of RANKED_STEPS, trained on the pairs of 200 more (1,600 draws)."""
+    torch.manual_seed(0)
+    model = rm.IntrinsicReward(make_args(reward_type="ranking"), "cpu")
+    batch = steps_of([(t, k) for t, k, _ in RANKED_STEPS])
+    for _ in range(20):  # 16,880 steps: the statistics' reference is full
+        model.rewards(*batch)
+    model.batches_to_pair = 200
+    model.add_labels(answered(model.label_requests()[1]))
+    model.piece.train_now(300, batch_size=64)
+    return model
+
+
+def test_ranking_pays_the_helpful_steps_not_the_frequent_unhelpful_ones(ranked):
+    """Before, every message above the step median of recent steps was paid, and two unhelpful messages
+    were ordered by their score gap: "It's a wall." never lost such a pair and was paid on a quarter of the
+    steps."""
+    texts = [t for t, _, _ in RANKED_STEPS]
+    steps = torch.tensor([k for _, k, _ in RANKED_STEPS], dtype=torch.float)
+    helpful = torch.tensor([score > annotator.THRESHOLD for _, _, score in RANKED_STEPS])
+    R = ranked.piece.score(rm.to_rows(texts), texts)
+    paid = lambda where: (steps * (R > 0))[where].sum().item() / steps[where].sum().item()
+    assert paid(helpful) >= 0.8 and paid(~helpful) <= 0.05, (paid(helpful), paid(~helpful))
+    assert R[~helpful].eq(0).all(), R  # neither paid nor charged: the median rule gave some a negative z
+
+
+def test_a_death_is_not_paid(ranked):
+    """Before, "You die..." sat above the median and was paid on 360-560 terminal steps of a run."""
+    batch = steps_of([(DEATH, 8), (KILL, 8), ("Never mind.", 8)])
+    shows = lambda text: (batch[1] == rm.to_rows([text]).view(1, 1, -1)).all(-1)
+    terminal = shows(DEATH)
+    _, paid, stats = ranked.rewards(batch[0], batch[1], batch[2], terminal)
+    assert terminal.sum() == 8 and stats["terminal_step_reward"] == 0 and paid[terminal].eq(0).all()
+    assert paid[shows(KILL)].gt(0).all()  # the kill beside it is paid
+
+
+def one_env_episodes(episode, episodes):
+    """The [T, 1] batch of one env's `episodes` episodes, each the messages of `episode`, with sightings."""
+    texts = [t for _ in range(episodes) for t in episode]
+    counts = [episode[:i + 1].count(t) for _ in range(episodes) for i, t in enumerate(episode)]
+    T = len(texts)
+    return (torch.zeros(T, 1), rm.to_rows(texts).view(T, 1, 256), torch.tensor(counts).view(T, 1),
+            torch.zeros(T, 1, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("raw", [False, True])
+def test_ranking_pairs_hold_each_message_as_often_as_it_is_paid(raw):
+    """Before, every 10th step's message went to the pair pool: a kill seen once an episode beside a wall
+    bumped into 50 times was in 4% of the pairs trained on. Now a step goes in with probability 1 / N^beta,
+    what R = 1 pays it, so the kill is in about as many pairs as the wall; --raw-ranking keeps every 10th
+    step."""
+    gold = "$ - 2 gold pieces."
+    episode = [WALL] * 50 + ["It's solid stone."] * 30 + ["Never mind."] * 20 + [KILL, gold]
+    model = rm.IntrinsicReward(make_args(reward_type="ranking", raw_ranking=raw), "cpu")
+    model.rewards(*one_env_episodes(episode, 200))
+    model.batches_to_pair = 100
+    model.add_labels([{"pair": list(pair), "preference": 1 if pair[0] in (KILL, gold) else 2}
+                      for pair in model.label_requests()[1]])
+    pairs = model.piece.pairs
+    assert len(pairs) == 800
+    pays = lambda n: n if raw else sum(k ** -3.0 for k in range(1, n + 1))  # R = 1 paid over n sightings
+    weight = {t: pays(episode.count(t)) for t in episode}
+    q = {t: w / sum(weight.values()) for t, w in weight.items()}
+    for message in (KILL, gold, WALL):  # by weight, the second drawn again while it is the first (draw_pair)
+        expected = q[message] + sum(q_x * q[message] / (1 - q_x) for x, q_x in q.items() if x != message)
+        assert sum(message in p[:2] for p in pairs) / len(pairs) == pytest.approx(expected, abs=0.05), message
+    assert (sum(KILL in p[:2] for p in pairs) / len(pairs) > 0.3) != raw  # 36% of the pairs; raw: 4%
+
+
+def test_ranking_statistics_stay_on_the_run_s_first_steps_and_survive_a_resume(monkeypatch):
+    """Before, the statistics were refit over the last 8 batches: once the agent killed often, a kill sank to
+    the median and was no longer paid. Now they are refit, with each publication's model, over the run's first
+    REFERENCE_STEPS steps, kept in the checkpoint: a resume pays exactly as the run would have."""
+    monkeypatch.setattr(rm, "REFERENCE_STEPS", 1000)
+    torch.manual_seed(0)
+    pairs = [{"pair": [KILL, t], "preference": 1} for t in (WALL, "Never mind.")] * 16
+    model = rm.IntrinsicReward(make_args(reward_type="ranking"), "cpu")
+    model.add_labels(pairs)
+    model.piece.optimizer.param_groups[0]["lr"] = 1e-3  # fitted in a few steps
+    early, later = ([(WALL, 300), ("Never mind.", 200), (KILL, k)] for k in (10, 500))
+    for _ in range(2):  # 1,020 steps: the reference is full
+        model.rewards(*steps_of(early))
+    model.piece.train_now(30, batch_size=16)
+    norm, texts = model.piece.published["norm"], [WALL, "Never mind.", KILL]
+    for _ in range(4):  # the agent now kills on half of its steps
+        model.rewards(*steps_of(later))
+    model.piece.publish()  # the same model, statistics refit
+    assert model.piece.published["norm"] == norm
+    assert model.piece.reference == {WALL: 600, "Never mind.": 400, KILL: 20}
+    assert model.piece.score(rm.to_rows(texts), texts).tolist()[2] > rm.RANKING_BAR  # the kill is still paid
+    resumed = rm.IntrinsicReward(make_args(reward_type="ranking"), "cpu")
+    resumed.add_labels(pairs)
+    resumed.load_state_dict(model.state_dict())
+    assert resumed.piece.reference == model.piece.reference and resumed.piece.published["norm"] == norm
+    for piece in (model.piece, resumed.piece):  # both go on: the same steps, the same statistics, bit for bit
+        piece.train_now(5, batch_size=16)
+    assert resumed.piece.published["norm"] == model.piece.published["norm"] != norm
+    old = {key: value for key, value in model.state_dict().items() if key != "reference"}  # a checkpoint
+    old["trainer"] = {**old["trainer"], "recent": [{WALL: 5}, {WALL: 1, KILL: 2}]}  # held the last batches
+    resumed = rm.IntrinsicReward(make_args(reward_type="ranking"), "cpu")
+    resumed.load_state_dict(old)
+    assert resumed.piece.reference == {WALL: 6, KILL: 2}

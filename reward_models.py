@@ -26,8 +26,8 @@ STEPS_PER_LABEL = BURST / 100  # then 0.32 steps per label as labels arrive, at 
 PAIR_POOL_EVERY = 10  # --raw-ranking: every 10th step's message enters the pool that pairs are drawn from
 PAIR_POOL_SIZE = 100_000  # beyond this the pool is a uniform sample of all of them
 PAIRS_PER_BATCH = 8  # ranking draws this many pairs per learner batch: asked, or reused when already answered
-REFERENCE_STEPS = 16_384  # ranking's statistics are taken over the messages of the run's first steps
-RANKING_BAR, RANKING_CLIP = 1.5, 5.0  # a ranking reward: a z-score paid above 1.5 std, at most 5
+REFERENCE_STEPS = 16_384  # Ranking's statistics are over the messages of the run's first non-empty steps.
+RANKING_BAR, RANKING_CLIP = 1.5, 5.0  # A ranking reward is a z-score paid above 1.5 std, at most 5.
 MIN_SPREAD = 0.5  # ...of a model whose outputs differ by at least this (Bradley-Terry log-odds)
 FIT_RECALL, UNFIT_RECALL = 0.9, 0.85  # the classifier pays once it recalls 90% of each class's steps, stops below 85%
 GATE_MESSAGES = 1024  # ...judged on this many labelled messages a class, those that showed the most steps
@@ -80,26 +80,33 @@ class MessageEncoder(nn.Module):
 
 
 class RankingNorm:
-    """Ranking rewards as z-scores over a fixed reference of steps (weighted by steps, the empty message
-    excluded): R = z where z > RANKING_BAR, else 0, at most RANKING_CLIP. Nothing is paid before a fit, nor
-    while the outputs over the reference span less than MIN_SPREAD: a z-score would turn noise into
-    rewards."""
+    """Ranking rewards as z-scores over a reference of messages, weighted by how often each occurs (the empty
+    message excluded), paid above a floor, within +-RANKING_CLIP: Ranking's floor is RANKING_BAR standard
+    deviations above the mean, offline Motif's the weighted median (Motif's own rule). Nothing is paid before
+    a fit, nor while the outputs over the reference span less than MIN_SPREAD: a z-score would turn noise
+    into rewards."""
 
-    def __init__(self, mean=None, std=None, **_): self.mean, self.std = mean, std  # Older ones hold a median.
+    def __init__(self, mean=None, std=None, floor=None, median=None):  # Older checkpoints hold a median.
+        self.mean, self.std, self.floor = mean, std, median if floor is None else floor
 
-    def fit(self, values: torch.Tensor, weights: torch.Tensor):
+    def fit(self, values: torch.Tensor, weights: torch.Tensor, median=False):
         if (values.max() - values.min()).item() < MIN_SPREAD:
-            self.mean = self.std = None
+            self.mean = self.std = self.floor = None
             return
         w = weights.float() / weights.sum()
         mean = (w * values).sum()
         self.mean, self.std = mean.item(), max((w * (values - mean) ** 2).sum().sqrt().item(), 1e-6)
+        self.floor = self.mean + RANKING_BAR * self.std
+        if median:  # A message's outputs jitter a little from batch to batch: the median's stays unpaid.
+            order = values.argsort()
+            middle = torch.searchsorted(w[order].cumsum(0), torch.tensor(0.5, device=values.device))
+            self.floor = values[order][middle.clamp(max=len(values) - 1)].item() + 1e-3
 
     def __call__(self, values: torch.Tensor) -> torch.Tensor:
         if self.mean is None:
             return torch.zeros_like(values)
-        z = ((values - self.mean) / self.std).clamp(max=RANKING_CLIP)
-        return torch.where(z > RANKING_BAR, z, torch.zeros_like(z))
+        z = ((values - self.mean) / self.std).clamp(-RANKING_CLIP, RANKING_CLIP)
+        return torch.where(values > self.floor, z, torch.zeros_like(z))
 
 
 class NoReward:
@@ -324,9 +331,9 @@ class Classification(TrainedModel):
 
 class Ranking(TrainedModel):
     """ONI-Ranking: R = RankingNorm of a Bradley-Terry model trained on the LLM's preferences over pairs, its
-    statistics refit at each publication over the messages of the run's first REFERENCE_STEPS steps: over
-    recent steps, what was paid moved with what the policy did."""
-    asks, scoring_keys = "pairs", ("norm",)
+    statistics refit at each publication over the messages of the run's first REFERENCE_STEPS steps with a
+    message (whole learner batches): over recent steps, what was paid moved with what the policy did."""
+    asks, scoring_keys, median = "pairs", ("norm",), False
 
     def __init__(self, args, device):
         super().__init__(args, device, nn.Sequential(
@@ -358,7 +365,7 @@ class Ranking(TrainedModel):
         norm = RankingNorm()
         if reference:
             steps = torch.tensor(list(reference.values()), device=self.device)
-            norm.fit(outputs(model, list(reference), self.device), steps)
+            norm.fit(outputs(model, list(reference), self.device), steps, self.median)
         return {"norm": vars(norm)}
 
     def state_dict(self) -> dict:
@@ -372,8 +379,10 @@ class Ranking(TrainedModel):
 
 class Motif(Ranking):
     """Offline Motif: Ranking trained once on the pairs of --labels-from (10 epochs, at least 300 steps),
-    then frozen with its statistics over the file's messages (as often as they occur there)."""
-    asks = None
+    then frozen with its statistics over the file's messages (as often as they occur there), paid above
+    their median as Motif paid: in a pair file every decisive pair holds a preferred message, so preferred
+    messages are common there and z > RANKING_BAR would pay none of them."""
+    asks, median = None, True
 
     def __init__(self, args, device):
         super().__init__(args, device)
@@ -388,7 +397,7 @@ class Motif(Ranking):
 
     def ready(self): return False  # frozen: no training is ever due
     def add_labels(self, records): pass
-    def see(self, texts, steps): pass  # its statistics are the file's
+    def see(self, texts, steps): pass  # Its statistics are the file's.
     def start(self, share=1.0): pass
 
 
@@ -452,9 +461,8 @@ class IntrinsicReward:
             self.asked.update(dict.fromkeys(new, time.time()))
             self.to_ask += new
         elif self.piece.asks == "pairs":
-            for i in self.offered(inverse, weights):
-                if nonempty[i]:
-                    self.add_to_pool(texts[i])
+            for i in self.offered(inverse, weights, nonempty):
+                self.add_to_pool(texts[i])
             self.steps_seen, self.batches_to_pair = self.steps_seen + len(inverse), self.batches_to_pair + 1
         paid_per_message = np.bincount(inverse, weights=paid.flatten().cpu().numpy(), minlength=len(texts))
         firsts = np.bincount(inverse, weights=weights, minlength=len(texts))
@@ -467,14 +475,16 @@ class IntrinsicReward:
             stats["terminal_step_reward"] = paid[terminal].mean().item()
         return mix(env_reward, paid, self.args), paid, stats
 
-    def offered(self, inverse, weights):
-        """The steps whose messages enter the pair pool: each with probability its pay weight 1 / N^beta, so
-        that pairs are drawn as the count normalization pays: a kill seen once an episode is compared about as
-        often as a wall bumped into 50 times an episode, not a 50th as often. --raw-ranking: every 10th step,
-        the reference's frequencies."""
+    def offered(self, inverse, weights, nonempty):
+        """The steps whose messages enter the pair pool, the empty message never: each with probability its
+        pay weight 1 / N^beta, so that pairs are drawn as the count normalization pays: a kill seen once an
+        episode is compared about as often as a wall bumped into 50 times an episode, not a 50th as often.
+        --raw-ranking: every 10th step, the reference's frequencies."""
         if self.args.raw_ranking:
-            return inverse[(-self.steps_seen) % PAIR_POOL_EVERY::PAIR_POOL_EVERY]
-        return inverse[np.array([self.rng.random() < w for w in weights.tolist()], dtype=bool)]
+            steps = inverse[(-self.steps_seen) % PAIR_POOL_EVERY::PAIR_POOL_EVERY]
+            return steps[nonempty[steps]]
+        steps, weights = inverse[nonempty[inverse]], weights[nonempty[inverse]]
+        return steps[np.array([self.rng.random() < w for w in weights.tolist()], dtype=bool)]
 
     def add_to_pool(self, text):
         """Reservoir sampling: the bounded pool stays a uniform sample of every step offered."""

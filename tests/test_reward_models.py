@@ -112,6 +112,10 @@ def test_ranking_reward_is_a_step_weighted_z_score_paid_above_its_bar():
     torch.testing.assert_close(norm(torch.tensor([0.0, 1.0])), torch.tensor([0.0, 3.0]))
     norm.fit(torch.tensor([0.0, 1.0]), torch.tensor([999, 1]))  # a rare message is clipped at 5 std
     assert norm(torch.tensor([1.0])).item() == rm.RANKING_CLIP
+    norm.fit(values, torch.ones(8), median=True)  # offline Motif's rule: above the weighted median (3)
+    torch.testing.assert_close(norm(values), torch.where(values > 3.0, standardized, torch.zeros(8)))
+    old = rm.RankingNorm(mean=3.5, std=2.0, median=5.0)  # the statistics of a checkpoint before the floor
+    assert old(torch.tensor([5.0, 6.0])).tolist() == [0.0, 1.25]
     torch.manual_seed(0)
     model = rm.IntrinsicReward(make_args(reward_type="ranking"), "cpu")
     model.add_labels([{"pair": ["a", "b"], "preference": 1}])
@@ -341,11 +345,10 @@ def test_motif_trains_offline_from_pairs_then_stays_frozen(tmp_path):
     random.seed(0)
     good, bad = "You kill the newt!", "It's a wall."
     path = tmp_path / "pairs.jsonl"
-    with open(path, "w") as f:  # as in a run's pairs, most messages compared are unhelpful
+    with open(path, "w") as f:  # every pair decisive: the preferred message is half of the file's messages
         for _ in range(300):
             f.write(json.dumps({"pair": [good, bad], "preference": 1}) + "\n")
             f.write(json.dumps({"pair": [bad, good], "preference": 2}) + "\n")
-            f.write((json.dumps({"pair": [bad, "You hear a door open."], "preference": None}) + "\n") * 3)
     model = rm.IntrinsicReward(make_args(reward_type="motif", labels_from=str(path), raw_ranking=True), "cpu")
     assert model.label_requests() == ([], [])  # no LLM at training time
     frozen = {k: v.clone() for k, v in model.piece.model.state_dict().items()}
@@ -361,7 +364,7 @@ def test_motif_trains_offline_from_pairs_then_stays_frozen(tmp_path):
     model.piece.train_now()
     assert model.piece.published["norm"] == frozen
     R = model.piece.score(rm.to_rows([good, bad]), [good, bad])
-    assert R.tolist() == [pytest.approx(2.0, abs=0.05), 0.0]  # a fifth of the messages compared: z = 2
+    assert R.tolist() == [pytest.approx(1.0, abs=1e-3), 0.0]  # above the median, z = 1 (Ranking's bar: 0)
     with pytest.raises(SystemExit, match="motif needs --labels-from"):
         rm.IntrinsicReward(make_args(reward_type="motif"), "cpu")
 
@@ -578,9 +581,10 @@ def test_the_learner_pays_each_step_the_published_model_s_verdict_over_n_beta():
     expected = [R[ranked.index(t)].item() / n ** 3 if t else 0.0
                 for t, n in zip(texts, counts[:, 0].tolist())]
     assert paid[:, 0].tolist() == pytest.approx(expected) and paid[0, 0] > 0
-    # statistics over steps, not distinct messages: the message on 90% of the steps is the middle one, unpaid
+    # statistics over steps, not distinct messages: beside a wall on 88% of the steps the kills stand out (z
+    # 2.9); counted once a message, among 15 lower and 10 higher ones, they would not (z 1.2)
     model = rm.IntrinsicReward(make_args(reward_type="ranking"), "cpu")
-    low, high = [f"The thing {i} bites!" for i in range(15)], [f"You kill the thing {i}!" for i in range(5)]
+    low, high = [f"The thing {i} bites!" for i in range(15)], [f"You kill the thing {i}!" for i in range(10)]
     model.rewards(*steps_of([(WALL, 180)] + [(t, 1) for t in low + high]))
     model.piece.model = Ranker({WALL: 0.0, **dict.fromkeys(low, -1.0), **dict.fromkeys(high, 1.0)})
     model.piece.publish()
@@ -1062,7 +1066,9 @@ def test_ranking_pairs_hold_each_message_as_often_as_it_is_paid(raw):
     gold = "$ - 2 gold pieces."
     episode = [WALL] * 50 + ["It's solid stone."] * 30 + ["Never mind."] * 20 + [KILL, gold]
     model = rm.IntrinsicReward(make_args(reward_type="ranking", raw_ranking=raw), "cpu")
+    before = model.rng.getstate()
     model.rewards(*one_env_episodes(episode, 200))
+    assert (model.rng.getstate() != before) != raw  # --raw-ranking leaves the seeded stream as it was
     model.batches_to_pair = 100
     model.add_labels([{"pair": list(pair), "preference": 1 if pair[0] in (KILL, gold) else 2}
                       for pair in model.label_requests()[1]])
@@ -1107,6 +1113,8 @@ def test_ranking_statistics_stay_on_the_run_s_first_steps_and_survive_a_resume(m
     assert resumed.piece.published["norm"] == model.piece.published["norm"] != norm
     old = {key: value for key, value in model.state_dict().items() if key != "reference"}  # a checkpoint
     old["trainer"] = {**old["trainer"], "recent": [{WALL: 5}, {WALL: 1, KILL: 2}]}  # held the last batches
+    old["norm"] = {"mean": norm["mean"], "std": norm["std"], "median": norm["mean"]}  # ...and a median
     resumed = rm.IntrinsicReward(make_args(reward_type="ranking"), "cpu")
     resumed.load_state_dict(old)
     assert resumed.piece.reference == {WALL: 6, KILL: 2}
+    assert resumed.piece.score(rm.to_rows(texts), texts).tolist()[2] > 0  # it pays until the next refit

@@ -582,6 +582,35 @@ def test_the_classifier_gate_and_its_pay_weights_survive_a_resume():
     assert not publish(labelled_seen().piece, between)  # ...though it takes 90% to switch on
 
 
+BALL = "You see here a heavy iron ball (chained to you)."
+
+
+def test_the_classifier_does_not_pay_an_unhelpful_label_seen_once_in_most_episodes():
+    """Seed 2 of results/free_1m_rerun paid "You feel better." and the punishment ball, labelled unhelpful, a
+    message on few steps but first seen in most episodes: by steps it was drawn too seldom to be fitted among the
+    helpful "You see here ..." messages, and its steps too few for the gate to see. Labels arrive 25 at a time, the
+    trainer keeps its schedule; once labelled, the ball is paid at no publication (before issue 33: 11 of 43)."""
+    torch.manual_seed(1)
+    model = rm.IntrinsicReward(make_args(reward_type="classification", seed=1), "cpu")
+    items = [f"{n} gold pieces" for n in range(2, 22)] + [f"a {m} corpse" for m in MONSTERS]
+    labelled = ([(WALL, 12000, 100, 0), ("It's solid stone.", 4000, 100, 0), ("Never mind.", 1800, 100, 0),
+                 (BALL, 80, 80, 0)] + [(f"The thing {i} bites!", 1, 1, 0) for i in range(1000)]
+                + [(f"You see here {x}.", 3, 3, 1) for x in items]
+                + [(f"You kill the {m}!", 3, 3, 1) for m in MONSTERS])
+    model.rewards(*sightings_of([(t, k, firsts) for t, k, firsts, _ in labelled]))
+    records = [{"caption": t, "label": label} for t, *_, label in labelled]
+    random.Random(1).shuffle(records)
+    paid = []
+    for i in range(0, len(records), 25):
+        model.add_labels(records[i:i + 25])
+        model.piece.train_now()
+        if model.piece.published and BALL in model.piece.labels:
+            paid.append(model.piece.score(rm.to_rows([BALL]), [BALL]).item())
+    helpful = [t for t, *_, label in labelled if label]
+    assert model.piece.published["fitted"] and model.piece.score(rm.to_rows(helpful), helpful).all()
+    assert len(paid) > 20 and not any(paid), paid
+
+
 def test_ranking_trains_on_every_drawn_pair_as_often_as_the_steps_show_it():
     """Before: self-pairs were dropped (21% of drawn pairs in free_ranking), the annotator dropped a pair already
     asked (63%), and the message on 40% of the steps was in 61% of drawn pairs but 30% of the pairs trained on."""
@@ -805,21 +834,21 @@ def test_a_resume_continues_the_reward_model_exactly(monkeypatch):
     model = rm.IntrinsicReward(make_args(reward_type="classification"), "cpu")
     model.add_labels(records[:8])
     assert model.piece.train_now(batch_size=8) == rm.BURST  # the first fit, published
-    model.add_labels(records[8:18])  # 10 labels: 3.2 steps owed, a burst of 3 that the save cuts short
+    model.add_labels(records[8:18])  # 10 labels: 12.8 steps owed, a burst of 12 that the save cuts short
     drawn, real_loss = [], model.piece.minibatch_loss
 
     def stop_at_the_first_step(batch_size):
         model.piece.stop.set()  # as close() does mid-burst
         return real_loss(batch_size)
     monkeypatch.setattr(model.piece, "minibatch_loss", stop_at_the_first_step)
-    assert model.piece.train_now(batch_size=8) == 1 and model.piece.burst == 3  # one step done, not published
+    assert model.piece.train_now(batch_size=8) == 1 and model.piece.burst == 12  # one step done, not published
     state = model.state_dict()
     model.add_labels(records[18:])  # answered after the checkpoint: they come back from labels.jsonl
 
     resumed = rm.IntrinsicReward(make_args(reward_type="classification"), "cpu")
     resumed.add_labels(records)  # as set_up does on resume: the run's labels.jsonl first
     resumed.load_state_dict(state)
-    assert resumed.piece.owed_steps == pytest.approx(3.2) and resumed.piece.new_labels == len(records) - 18
+    assert resumed.piece.owed_steps == pytest.approx(12.8) and resumed.piece.new_labels == len(records) - 18
     assert resumed.piece.model_steps == rm.BURST  # as published: the step of the cut burst is owed again
     # the next minibatches are those the run drew after its publication
     model.piece.rng.setstate(state["minibatch_rng"])

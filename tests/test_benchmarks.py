@@ -116,7 +116,7 @@ def test_classifier_replay_replays_a_run_s_labels_through_the_classifier_and_its
     assert result.returncode == 0, result.stderr[-2000:]
     row = next(line.strip("|").split("|") for line in result.stdout.splitlines() if line.startswith("| now |"))
     steps, publications = int(row[2]), int(row[3].split(" of ")[1])
-    assert steps == 32 + int(35 * 0.32) and publications == 3  # a first fit of 32 at 25 labels; 0.32 a label after
+    assert steps == 32 + int(35 * 1.28) and publications == 3  # a first fit of 32 at 25 labels; 1.28 a label after
     shares = [float(x) for cell in row[5:9] for x in cell.split("/")]
     assert len(shares) == 8 and all(0 <= share <= 1 for share in shares)
     assert "paid most against its label" in result.stdout

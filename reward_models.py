@@ -29,8 +29,9 @@ PAIRS_PER_BATCH = 8  # ranking draws this many pairs per learner batch: asked, o
 REFERENCE_STEPS = 16_384  # Ranking's statistics are over the messages of the run's first non-empty steps.
 RANKING_BAR, RANKING_CLIP = 1.5, 5.0  # A ranking reward is a z-score paid above 1.5 std, at most 5.
 MIN_SPREAD = 0.5  # ...of a model whose outputs differ by at least this (Bradley-Terry log-odds)
-FIT_RECALL, UNFIT_RECALL = 0.9, 0.85  # the classifier pays once it recalls 90% of each class's steps, stops below 85%
-GATE_MESSAGES = 1024  # ...judged on this many labelled messages a class, those that showed the most steps
+CLASSIFIER_STEPS_PER_LABEL = 4 * STEPS_PER_LABEL  # the classifier fits a label before paying long against it
+FIT, UNFIT = 0.9, 0.85  # it pays once 90% of its helpful labels' pay is paid and 90% of what it pays goes to
+GATE_MESSAGES = 1024  # helpful labels, stops below 85%: judged on this many labels a class, those paid most
 RETRY_S = 60.0  # a caption still unanswered this long after it was asked is asked again
 
 
@@ -125,7 +126,7 @@ class NoReward:
                 self.labels[record["caption"]] = float(record["label"])
 
     def score(self, rows, texts) -> torch.Tensor: return torch.zeros(len(texts), device=self.device)
-    def see(self, texts, steps): pass  # the non-empty messages of a learner batch, and their steps
+    def see(self, texts, steps, firsts=None): pass  # a learner batch's non-empty messages, steps, pay weights
     def start(self, share=1.0): pass
     def close(self): pass
     def train_stats(self): return {}
@@ -162,6 +163,7 @@ class TrainedModel(NoReward):
     """A reward model trained by a thread of its own within a share of wall time, off the policy update's path; each
     burst publishes a frozen copy and its statistics as one object: the learner never waits, nor mixes the two."""
     scoring_keys = ()  # what score() needs besides the weights: published and checkpointed with them
+    steps_per_label = STEPS_PER_LABEL
 
     def __init__(self, args, device, head):  # head: the classifier's 2 logits or the ranking model's reward
         super().__init__(args, device)
@@ -177,7 +179,7 @@ class TrainedModel(NoReward):
             super().add_labels(records)
             self.new_labels += len(self.data) - size
 
-    def see(self, texts, steps):
+    def see(self, texts, steps, firsts=None):
         with self.lock:
             self.batches += 1
 
@@ -194,7 +196,7 @@ class TrainedModel(NoReward):
             with self.lock:
                 if self.ready():
                     self.owed_steps += (self.batches if len(self.data) >= SMALL_SET else
-                                        STEPS_PER_LABEL * self.new_labels if self.model_steps else BURST)
+                                        self.steps_per_label * self.new_labels if self.model_steps else BURST)
                 self.new_labels = self.batches = 0
                 steps = self.burst = max(0, min(int(self.owed_steps), BURST))
                 self.owed_steps -= steps
@@ -268,13 +270,15 @@ class TrainedModel(NoReward):
 
 
 class Classification(TrainedModel):
-    """ONI-Classification: R = 1 if a classifier trained on the labels says p(helpful) > 0.5 (once fitted)."""
-    asks, scoring_keys = "captions", ("fitted", "frequent")
+    """ONI-Classification: R = 1 if a classifier trained on the labels says p(helpful) > 0.5 (once fitted).
+    It scores every message, labelled or not; where it has labels, it pays as they say, as far as its gate
+    allows."""
+    asks, scoring_keys, steps_per_label = "captions", ("fitted", "frequent"), CLASSIFIER_STEPS_PER_LABEL
 
     def __init__(self, args, device):
         super().__init__(args, device, nn.Sequential(
             nn.Linear(128, 512), nn.ReLU(), nn.Dropout(0.1), nn.Linear(512, 512), nn.ReLU(), nn.Dropout(0.1), nn.Linear(512, 2)))
-        self.data, self.steps = self.labels, collections.Counter()  # steps: message -> steps that showed it, all run
+        self.data, self.pay = self.labels, collections.Counter()  # message -> its pay weight (firsts) all run
         self.keys, self.classes = [], set()  # the labels' captions in order, their classes: no scan of 1e6 under the lock
 
     def reward(self, published, rows):
@@ -289,42 +293,46 @@ class Classification(TrainedModel):
             self.keys += new
             self.classes = set(self.labels.values()) if changed else self.classes | {label for _, label in labelled}
 
-    def minibatch_loss(self, batch_size):  # half drawn as the reference drew, uniformly over the labels, half as the
-        texts, steps = (self.published or {}).get("frequent") or (self.keys, None)  # gate weighs them: by steps (else
-        with self.lock:  # "It's a wall.", on 20% of a run's steps, was 1 of 3,416 negatives and paid at random)
+    def minibatch_loss(self, batch_size):  # half drawn as the reference drew, uniformly over the labels,
+        # half as the gate weighs them, by pay: by steps, a message on few steps but first seen in most
+        # episodes was drawn too seldom to be fitted; by distinct labels, a wall on 20% of the steps was one
+        # of 3,416
+        texts, weights = (self.published or {}).get("frequent") or (self.keys, None)
+        with self.lock:
             texts = self.rng.choices(self.keys, k=(half := batch_size // 2)) + self.rng.choices(
-                texts, steps, k=batch_size - half)
+                texts, weights, k=batch_size - half)
             labels = torch.tensor([int(self.labels[t]) for t in texts], device=self.device)
         share = labels.float().mean().clamp(0.01, 0.99)  # class-balanced: both classes weigh half
         logits = outputs(self.model.train(), texts, self.device)
         return F.cross_entropy(logits, labels, weight=torch.stack([0.5 / (1 - share), 0.5 / share]))
 
-    def see(self, texts, steps):
+    def see(self, texts, steps, firsts):
         super().see(texts, steps)
         with self.lock:
-            self.steps.update(dict(zip(texts, steps.tolist())))
+            self.pay.update(dict(zip(texts, firsts.tolist())))
 
-    def scoring(self, model):  # it pays once, as published (eval mode), it tells its labels apart on the agent's steps
-        with self.lock:  # the keys only (a copy of 1e6 labels and steps held it 40 ms); each read below is atomic
-            keys = self.keys[:]
-        weight = lambda text, steps=self.steps.get: steps(text, 0) + 1  # a label never shown (--labels-from): one step
-        recall, label, frequent = [], self.labels.get, []
-        for c in (0, 1):  # the same messages at every publication while the counts stand: no sampling noise
-            texts = heapq.nlargest(GATE_MESSAGES, (t for t in keys if label(t) == c), key=weight)
-            if not texts:
-                return {"fitted": False}  # a class without labels: nothing told apart
-            w = torch.tensor([weight(t) for t in texts], dtype=torch.float, device=self.device)
-            with torch.no_grad():  # per step, not per distinct message: the policy is paid per step
-                right = (outputs(model, texts, self.device).argmax(-1) == c).float()
-            recall.append(((w * right).sum() / w.sum()).item())
-            frequent += zip(texts, w.tolist())
-        was = self.published is not None and self.published["fitted"]  # hysteresis: recall near the bar must not flicker
-        return {"fitted": min(recall) >= (UNFIT_RECALL if was else FIT_RECALL), "frequent": tuple(zip(*frequent))}
+    def scoring(self, model):  # it pays once, as published (eval mode), its pay goes where its labels say
+        with self.lock:  # the keys only (a copy of 1e6 labels and weights held it 40 ms); each read below
+            keys = self.keys[:]  # is atomic
+        weight = lambda text, pay=self.pay.get: pay(text, 0.0) + 1  # a label never seen (--labels-from): one
+        label, texts = self.labels.get, []  # the same messages at every publication while the weights stand
+        for c in (0.0, 1.0):
+            texts += heapq.nlargest(GATE_MESSAGES, (t for t in keys if label(t) == c), key=weight)
+        if {label(t) for t in texts} != {0.0, 1.0}:
+            return {"fitted": False}  # a class without labels: nothing told apart
+        w = torch.tensor([weight(t) for t in texts], dtype=torch.float64, device=self.device)
+        helpful = torch.tensor([label(t) for t in texts], dtype=torch.float64, device=self.device)
+        with torch.no_grad():  # by pay, not by steps: a message pays most at its first sighting in an episode
+            paid = w * (outputs(model, texts, self.device).argmax(-1) == 1)
+        recall, precision = (paid * helpful).sum() / (w * helpful).sum(), (paid * helpful).sum() / paid.sum()
+        bar = UNFIT if self.published is not None and self.published["fitted"] else FIT  # no flicker near FIT
+        return {"fitted": min(recall, precision.nan_to_num()).item() >= bar,
+                "frequent": (tuple(texts), tuple(w.tolist()))}
 
-    def load_state_dict(self, state):  # the gate's steps: the learner's counts of every message (messages.tsv's); its
-        self.steps = collections.Counter({text: n for text, n in state.get("seen", {}).items() if text})  # sample
-        kept = [(t, n) for t, n in zip(*state.get("frequent") or ()) if t in self.labels]  # without the labels a crash
-        super().load_state_dict({**state, "frequent": tuple(zip(*kept)) or None})  # took from labels.jsonl's end
+    def load_state_dict(self, state):  # the gate's weights: the learner's pay weights (messages.tsv's firsts)
+        self.pay = collections.Counter({text: w for text, w in state.get("firsts", {}).items() if text})
+        kept = [(t, w) for t, w in zip(*state.get("frequent") or ()) if t in self.labels]  # its sample, less
+        super().load_state_dict({**state, "frequent": tuple(zip(*kept)) or None})  # the labels a crash lost
 
     def ready(self): return {0.0, 1.0} <= self.classes  # a boundary needs both classes among the labels
 
@@ -352,7 +360,7 @@ class Ranking(TrainedModel):
         log_p = torch.log_softmax(torch.stack([rewards[:batch_size], rewards[batch_size:]], dim=1), dim=1)
         return -(torch.stack([preference, 1 - preference], dim=1) * log_p).sum(1).mean()  # Bradley-Terry
 
-    def see(self, texts, steps):  # Whole batches go to the reference until it holds REFERENCE_STEPS steps.
+    def see(self, texts, steps, firsts=None):  # Whole batches go to the reference until it is full.
         super().see(texts, steps)
         with self.lock:
             if self.reference.total() < REFERENCE_STEPS:
@@ -397,7 +405,7 @@ class Motif(Ranking):
 
     def ready(self): return False  # frozen: no training is ever due
     def add_labels(self, records): pass
-    def see(self, texts, steps): pass  # Its statistics are the file's.
+    def see(self, texts, steps, firsts=None): pass  # Its statistics are the file's.
     def start(self, share=1.0): pass
 
 
@@ -453,8 +461,9 @@ class IntrinsicReward:
         values = self.piece.score(torch.from_numpy(rows).to(self.device), texts) * torch.from_numpy(nonempty).to(self.device)
         paid = count_normalized(values[torch.from_numpy(inverse).to(self.device)].view(env_reward.shape),
                                 counts, self.args.count_beta)
-        self.piece.see([t for t, keep in zip(texts, nonempty) if keep], steps[nonempty])
         weights = counts.flatten().cpu().numpy().clip(min=1).astype(np.float64) ** -self.args.count_beta
+        firsts = np.bincount(inverse, weights=weights, minlength=len(texts))  # the pay weight each step adds
+        self.piece.see([t for t, keep in zip(texts, nonempty) if keep], steps[nonempty], firsts[nonempty])
         if self.piece.asks == "captions":  # new captions to ask
             new = [texts[i] for i in np.argsort(-steps, kind="stable")  # most steps first: a full backlog takes the first
                    if nonempty[i] and texts[i] not in self.piece.labels and texts[i] not in self.asked]  # (not A to Z)
@@ -465,7 +474,6 @@ class IntrinsicReward:
                 self.add_to_pool(texts[i])
             self.steps_seen, self.batches_to_pair = self.steps_seen + len(inverse), self.batches_to_pair + 1
         paid_per_message = np.bincount(inverse, weights=paid.flatten().cpu().numpy(), minlength=len(texts))
-        firsts = np.bincount(inverse, weights=weights, minlength=len(texts))
         for text, n, total, first in zip(texts, steps.tolist(), paid_per_message.tolist(), firsts.tolist()):
             self.seen[text], self.paid[text] = self.seen.get(text, 0) + n, self.paid.get(text, 0.0) + total
             self.firsts[text] = self.firsts.get(text, 0.0) + first  # numbers, not a list a message (GC)
@@ -555,7 +563,7 @@ class IntrinsicReward:
                                                  for c in counts)
             reused = collections.Counter(state.get("reused", {})).elements()  # their answers came back before
             self.reuse([pair for pair in reused if pair in self.answered])  # (one lost in a crash: not trained on)
-            self.piece.load_state_dict({**state, "seen": self.seen})
+            self.piece.load_state_dict({**state, "firsts": self.firsts})
 
     def write_messages(self, path):
         """messages.tsv: every message seen, most paid first: its steps, LLM label, R now, R / N^beta paid in

@@ -470,7 +470,8 @@ def test_a_classifier_pays_only_once_it_tells_its_labels_apart(seed):
         model.add_labels([{"caption": caption, "label": 0}])
         model.piece.train_now()
         assert paid_sensibly(unhelpful[:u + 1]), u
-    assert model.piece.model_steps == rm.BURST + int((len(unhelpful) - 1) * rm.STEPS_PER_LABEL)  # 32, then 0.32 a label
+    assert model.piece.model_steps == rm.BURST + int((len(unhelpful) - 1) * rm.CLASSIFIER_STEPS_PER_LABEL)  # 32, then
+    # 1.28 a label
     for _ in range(300):
         model.piece.train_now(1)
         if model.piece.published["fitted"]:
@@ -481,19 +482,21 @@ def test_a_classifier_pays_only_once_it_tells_its_labels_apart(seed):
 
 
 def test_a_fitted_classifier_keeps_paying_when_helpful_labels_are_rare():
-    """2 helpful labels among 302: a training minibatch of 256 often holds none. Whether the model
-    pays is judged on the published model over the labels, not on the last minibatch (which switched
-    the reward off in ~1 of 8 bursts)."""
+    """2 helpful labels among 302, each helpful message in 30 episodes, each unhelpful one in 1: half of a
+    training minibatch of 256 often holds none. Whether the model pays is judged on the published model over the
+    labels, not on the last minibatch (which switched the reward off in ~1 of 8 bursts)."""
     torch.manual_seed(0)
     model = rm.IntrinsicReward(make_args(reward_type="classification"), "cpu")
     helpful, unhelpful = ["You kill the newt!", "You see here 5 gold pieces."], [f"The thing {i} bites!" for i in range(300)]
     model.add_labels([{"caption": c, "label": 1} for c in helpful] + [{"caption": c, "label": 0} for c in unhelpful])
+    model.rewards(*sightings_of([(c, 30, 30) for c in helpful] + [(c, 1, 1) for c in unhelpful]))
     model.piece.optimizer.param_groups[0]["lr"] = 1e-3
     for _ in range(30):
         model.piece.train_now(10)
         if model.piece.published["fitted"]:
             break
-    fitted = []
+    model.piece.optimizer.param_groups[0]["lr"] = 1e-4  # then the real one: a step of 1e-3 once paid 97 of the
+    fitted = []  # unhelpful labels, and the gate was right to stop it
     for _ in range(30):
         model.piece.train_now(1)
         fitted.append(model.piece.published["fitted"])
@@ -514,23 +517,38 @@ class Judge(torch.nn.Module):
         return torch.tensor([[0.0, 1.0] if t in self.helpful else [1.0, 0.0] for t in texts])
 
 
-# a young agent's labelled steps, as in results/recheck's free_classification: one unhelpful message on a quarter
-# of the steps, a few dozen others, a handful of rare helpful ones; (message, steps, label)
-WALL, KILL = "It's a wall.", "You kill the newt!"
-LABELLED_STEPS = ([(WALL, 240, 0), ("Are you sure you want to pray? [yn] (n)", 140, 0), ("It's solid stone.", 70, 0),
-                   ("Never mind.", 60, 0), ("You hear a door open.", 60, 0), ("There is a staircase up here.", 50, 0),
-                   ("You swap places with your kitten.", 40, 0), ("Unknown command ' '.", 31, 0)]
-                  + [(f"The {m} bites!", 10, 0) for m in MONSTERS] + [(f"You miss the {m}.", 5, 0) for m in MONSTERS]
-                  + [(KILL, 3, 1), ("You see here 5 gold pieces.", 2, 1), ("You kill the jackal!", 2, 1),
-                     ("You find a hidden passage.", 1, 1), ("Welcome to experience level 2.", 1, 1)])
-HELPFUL = [t for t, _, label in LABELLED_STEPS if label]
+# a run's labelled messages over 100 episodes, as in results/free_1m_rerun's Classification seeds: (message, steps,
+# first sightings in an episode, label). Pay follows the first sightings: the walls and prompts are on most steps and
+# in every episode; "You feel better." on 0.3% of the steps but in half the episodes; a doorway bumped into 3,000
+# times in 5 episodes; the helpful messages rare
+WALL, KILL, FEEL = "It's a wall.", "You kill the newt!", "You feel better."
+DOORWAY = "You can't move diagonally out of an intact doorway."
+LABELLED = ([(WALL, 12000, 100, 0), ("It's solid stone.", 4000, 100, 0), ("Never mind.", 1800, 100, 0),
+             ("Are you sure you want to pray? [yn] (n)", 4000, 100, 0), ("You can't go up here.", 1300, 100, 0),
+             (DOORWAY, 3000, 5, 0), (FEEL, 70, 50, 0), ("You die...", 50, 40, 0)]
+            + [(f"The {m} bites!", 10, 8, 0) for m in MONSTERS] + [(f"You miss the {m}.", 5, 4, 0) for m in MONSTERS]
+            + [("The door opens.", 30, 27, 1), ("You see here a lichen corpse.", 30, 25, 1), (KILL, 10, 9, 1),
+               ("You see here 5 gold pieces.", 8, 8, 1), ("You kill the jackal!", 6, 6, 1),
+               ("Welcome to experience level 2.", 3, 3, 1), ("You find a hidden passage.", 2, 2, 1)])
+HELPFUL = [t for t, *_, label in LABELLED if label]
+GATE_WEIGHT = {t: firsts + 1 for t, _, firsts, _ in LABELLED}  # the gate's weight: the pay weight, + 1
 
 
-def labelled_steps_seen(**overrides):
-    """A classification learner that has the labels of LABELLED_STEPS and has seen their steps."""
+def sightings_of(messages):
+    """[(text, steps, first sightings)] -> the [T, 1, ...] tensors of a learner batch: the first sightings count 1,
+    the other steps are their message's 1,000th sighting in the episode (a pay weight of 1e-9 each)."""
+    texts = [t for t, k, _ in messages for _ in range(k)]
+    counts = [n for _, k, firsts in messages for n in [1] * firsts + [1000] * (k - firsts)]
+    T = len(texts)
+    return (torch.zeros(T, 1), rm.to_rows(texts).view(T, 1, 256), torch.tensor(counts, dtype=torch.int32).view(T, 1),
+            torch.zeros(T, 1, dtype=torch.bool))
+
+
+def labelled_seen(**overrides):
+    """A classification learner that has the labels of LABELLED and has seen their steps."""
     model = rm.IntrinsicReward(make_args(reward_type="classification", **overrides), "cpu")
-    model.add_labels([{"caption": t, "label": label} for t, _, label in LABELLED_STEPS])
-    model.rewards(*steps_of([(t, k) for t, k, _ in LABELLED_STEPS]))
+    model.add_labels([{"caption": t, "label": label} for t, *_, label in LABELLED])
+    model.rewards(*sightings_of([(t, k, firsts) for t, k, firsts, _ in LABELLED]))
     return model
 
 
@@ -560,16 +578,16 @@ def test_the_learner_pays_each_step_the_published_model_s_verdict_over_n_beta():
     texts = [KILL, KILL, WALL, "", HELPFUL[1], "You miss the newt."]
     counts = torch.tensor([[1], [2], [1], [1], [3], [1]], dtype=torch.int32)
     batch = (torch.zeros(6, 1), to_rows_batch(texts), counts, torch.zeros(6, 1, dtype=torch.bool))
-    model = labelled_steps_seen()
+    model = labelled_seen()
     assert publish(model.piece, Judge(HELPFUL))  # exactly right: the gate is on
     rewards, paid, _ = model.rewards(*batch)
     assert paid[:, 0].tolist() == pytest.approx([1.0, 1 / 8, 0.0, 0.0, 1 / 27, 0.0])
     torch.testing.assert_close(rewards, 0.4 * paid)
 
     model = rm.IntrinsicReward(make_args(reward_type="ranking"), "cpu")
-    values = {t: -2.0 for t, _, _ in LABELLED_STEPS}  # unhelpful: low, the wall lowest
+    values = {t: -2.0 for t, *_ in LABELLED}  # unhelpful: low, the wall lowest
     values.update({WALL: -3.0, **{t: 1.0 + i for i, t in enumerate(HELPFUL)}})  # helpful higher, last most
-    model.rewards(*steps_of([(t, k) for t, k, _ in LABELLED_STEPS]))  # the recent steps of its statistics
+    model.rewards(*steps_of([(t, k) for t, k, *_ in LABELLED]))  # the steps of its statistics
     model.piece.model = Ranker(values)
     model.piece.publish()
     ranked = sorted(values, key=values.get)
@@ -596,75 +614,114 @@ def to_rows_batch(texts):
     return rm.to_rows(texts).view(len(texts), 1, 256)
 
 
-def test_the_classifier_gate_judges_recall_over_the_agent_s_steps():
-    """Before: recall per distinct message; in free_classification 94.8% of the unhelpful labels were recalled but
-    53.8% of their steps, and "It's a wall." (24% of all steps) was the message it paid most."""
-    model = labelled_steps_seen()
-    texts = [t for t, _, _ in LABELLED_STEPS]
-    assert WALL in texts and 0.24 < 240 / sum(k for _, k, _ in LABELLED_STEPS) < 0.26
-    assert not publish(model.piece, Judge(HELPFUL + [WALL]))  # 39 of 40 unhelpful messages, 75% of their steps
+def test_the_classifier_gate_judges_where_its_pay_would_go():
+    """Before: on once 90% of each class's steps were told apart. Seed 2 of results/free_1m_rerun paid "You feel
+    better." (0.2% of its steps, labelled unhelpful) 6% of all it paid: a message pays most at its first sighting in
+    an episode. Now judged on pay: 90% of the helpful labels' pay paid, 90% of what it would pay to helpful labels."""
+    model = labelled_seen()
+    texts = [t for t, *_ in LABELLED]
+    unhelpful_steps = sum(k + 1 for _, k, _, label in LABELLED if not label)
+    assert publish(model.piece, Judge(HELPFUL))
+    assert 71 / unhelpful_steps < 0.01 and GATE_WEIGHT[FEEL] / (GATE_WEIGHT[FEEL] + 87) > 0.35  # (helpful: 87)
+    assert not publish(model.piece, Judge(HELPFUL + [FEEL]))  # 99.7% of the unhelpful steps told apart: old on
     assert not model.piece.score(rm.to_rows(texts), texts).any()
-    misses = [f"You miss the {m}." for m in MONSTERS[:6]]
-    assert publish(model.piece, Judge(HELPFUL + misses))  # 34 of 40 messages (85%), 97% of their steps
+    assert 3001 / unhelpful_steps > 0.1 and GATE_WEIGHT[DOORWAY] / (GATE_WEIGHT[DOORWAY] + 87) < 0.1
+    assert publish(model.piece, Judge(HELPFUL + [DOORWAY]))  # 87% of the unhelpful steps told apart: old off
     R = model.piece.score(rm.to_rows(texts), texts)
-    assert {t for t, r in zip(texts, R.tolist()) if r} == set(HELPFUL + misses)
+    assert {t for t, r in zip(texts, R.tolist()) if r} == set(HELPFUL + [DOORWAY])
+    assert not publish(model.piece, Judge(HELPFUL[2:]))  # 38% of the helpful pay: the most paid helpful missed
 
 
 def test_the_classifier_gate_does_not_flicker_near_its_bar():
     """Before: judged on a fresh random 1,024 labels a class at every publication, a model that recalled 90.5% was
     on at 146 of 200 publications and switched 79 times."""
     model = rm.IntrinsicReward(make_args(reward_type="classification"), "cpu")
-    helpful, unhelpful = [f"You kill the thing {i}!" for i in range(50)], [f"The thing {i} bites!" for i in range(3000)]
+    helpful, unhelpful = [f"You kill the thing {i}!" for i in range(100)], [f"The thing {i} bites!" for i in range(3000)]
     model.add_labels([{"caption": c, "label": 1} for c in helpful] + [{"caption": c, "label": 0} for c in unhelpful])
-    near = Judge(helpful + unhelpful[::10])  # one unhelpful label in 10 called helpful: right at the bar
+    near = Judge(helpful + unhelpful[:11])  # 100 of 111 messages it would pay helpful (90.1%): right at the bar
     assert len({publish(model.piece, near) for _ in range(20)}) == 1  # a fixed model, a fixed verdict
     rng, fitted = random.Random(0), []
-    for _ in range(40):  # a model still learning: 87% to 94% of the unhelpful labels told apart
-        fitted.append(publish(model.piece, Judge(helpful + rng.sample(unhelpful, rng.randint(180, 390))), fresh=False))
+    for _ in range(40):  # a model still learning: 87% to 94% of what it would pay goes to helpful labels
+        fitted.append(publish(model.piece, Judge(helpful + rng.sample(unhelpful, rng.randint(6, 15))), fresh=False))
     assert sum(a != b for a, b in zip([False] + fitted, fitted)) == 1 and fitted[-1], fitted
 
 
-def test_the_classifier_trains_half_on_the_labels_and_half_as_the_steps_show_them(monkeypatch):
+def test_the_classifier_trains_half_on_the_labels_and_half_as_the_pay_shows_them(monkeypatch):
     """Before: minibatches drew the distinct labelled messages uniformly, so the message on 20% of a run's steps was
     1 of 3,416 negatives; free_classification's classifier called "It's a wall." helpful (p 0.95) though labelled 0,
-    the gate stayed shut and the run paid nothing. After a publication half of each minibatch follows the steps."""
-    model = labelled_steps_seen()
+    the gate stayed shut and the run paid nothing. After a publication half of each minibatch follows the pay weights:
+    by steps (before issue 33) "You feel better.", in half the episodes, was drawn 1 in 700."""
+    model = labelled_seen()
     many = [f"The thing {i} bites!" for i in range(3000)]  # rare labels, one step each: the uniform half's
     model.add_labels([{"caption": t, "label": 0} for t in many])
-    model.rewards(*steps_of([(t, 1) for t in many]))
-    model.piece.train_now(1, batch_size=8)  # published: its gate sample and their steps
+    model.rewards(*sightings_of([(t, 1, 1) for t in many]))
+    model.piece.train_now(1, batch_size=8)  # published: its gate sample and their pay weights
     drawn = []
     monkeypatch.setattr(rm, "outputs", lambda m, texts, device: (drawn.extend(texts), torch.zeros(len(texts), 2))[1])
-    for _ in range(16):
+    for _ in range(64):
         model.piece.minibatch_loss(256)
     share = lambda texts: sum(t in texts for t in drawn) / len(drawn)
-    # the gate's sample: all 5 helpful labels; the 40 unhelpful ones of LABELLED_STEPS and 984 of `many`, each
-    # weighing its steps + 1; the uniform half: any of the 3,045 labels
-    in_gate = rm.GATE_MESSAGES - (len(LABELLED_STEPS) - len(HELPFUL))
-    gate_steps = sum(k + 1 for _, k, _ in LABELLED_STEPS) + 2 * in_gate
-    assert share({WALL}) == pytest.approx(0.5 * 241 / gate_steps + 0.5 / 3045, abs=0.01)  # old: 1 in 3,045
-    assert share(set(HELPFUL)) == pytest.approx(0.5 * 14 / gate_steps + 0.5 * 5 / 3045, abs=0.0015)  # old: 0.0016
-    assert share(set(many)) == pytest.approx(0.5 * 2 * in_gate / gate_steps + 0.5 * 3000 / 3045, abs=0.02)
+    # the gate's sample: all 7 helpful labels; the 39 unhelpful ones of LABELLED and 985 of `many`, each weighing
+    # its pay weight + 1; the uniform half: any of the 3,046 labels
+    in_gate = rm.GATE_MESSAGES - (len(LABELLED) - len(HELPFUL))
+    gate_weight, labels = sum(GATE_WEIGHT.values()) + 2 * in_gate, len(LABELLED) + len(many)
+    assert share({FEEL}) == pytest.approx(0.5 * 51 / gate_weight + 0.5 / labels, abs=0.002)  # old: 0.0015
+    assert share({WALL}) == pytest.approx(0.5 * 101 / gate_weight + 0.5 / labels, abs=0.003)  # old: 0.21
+    assert share(set(HELPFUL)) == pytest.approx(0.5 * 87 / gate_weight + 0.5 * 7 / labels, abs=0.003)
+    assert share(set(many)) == pytest.approx(0.5 * 2 * in_gate / gate_weight + 0.5 * 3000 / labels, abs=0.01)
     resumed = rm.IntrinsicReward(make_args(reward_type="classification"), "cpu")  # a resume draws the same, but
-    resumed.add_labels([{"caption": t, "label": label} for t, _, label in LABELLED_STEPS if t != KILL] +  # not a
+    resumed.add_labels([{"caption": t, "label": label} for t, *_, label in LABELLED if t != KILL] +  # not a
                        [{"caption": t, "label": 0} for t in many])  # label that a crash took from labels.jsonl's end
     resumed.load_state_dict(model.state_dict())
-    texts, steps = model.piece.published["frequent"]
-    assert resumed.piece.published["frequent"] == tuple(zip(*[(t, n) for t, n in zip(texts, steps) if t != KILL]))
+    texts, weights = model.piece.published["frequent"]
+    assert resumed.piece.published["frequent"] == tuple(zip(*[(t, w) for t, w in zip(texts, weights) if t != KILL]))
     resumed.piece.minibatch_loss(256)  # was a KeyError in the trainer thread: the run stopped, and again on resume
 
 
-def test_the_classifier_gate_and_its_step_counts_survive_a_resume():
-    model = labelled_steps_seen()
+def test_the_classifier_gate_and_its_pay_weights_survive_a_resume():
+    """The gate weighs the learner's pay weights (its firsts), which a resume gives back: without them every label
+    would weigh one, and a model that pays a doorway and a miss (88.8% of its pay helpful, 7 of 9 messages) would
+    switch off."""
+    model = labelled_seen()
     model.piece.train_now(1, batch_size=8)  # a checkpoint needs a trained model
     model.piece.published["fitted"] = True  # on, as it would be after telling its labels apart
     resumed = rm.IntrinsicReward(make_args(reward_type="classification"), "cpu")
-    resumed.add_labels([{"caption": t, "label": label} for t, _, label in LABELLED_STEPS])
+    resumed.add_labels([{"caption": t, "label": label} for t, *_, label in LABELLED])
     resumed.load_state_dict(model.state_dict())
-    assert resumed.piece.steps == model.piece.steps and resumed.piece.published["fitted"]
-    between = Judge(HELPFUL + ["It's solid stone.", "You hear a door open."])  # 86% of the unhelpful steps
+    assert resumed.piece.pay == model.piece.pay and resumed.piece.published["fitted"]
+    assert resumed.piece.pay[DOORWAY] == pytest.approx(5) and resumed.piece.pay[WALL] == pytest.approx(100)
+    between = Judge(HELPFUL + [DOORWAY, "You miss the newt."])  # 87 of 98 (88.8%) of its pay to helpful labels
     assert publish(resumed.piece, between, fresh=False)  # on it stays above 85%...
-    assert not publish(labelled_steps_seen().piece, between)  # ...though it takes 90% to switch on
+    assert not publish(labelled_seen().piece, between)  # ...though it takes 90% to switch on
+
+
+BALL = "You see here a heavy iron ball (chained to you)."
+
+
+def test_the_classifier_does_not_pay_an_unhelpful_label_seen_once_in_most_episodes():
+    """Seed 2 of results/free_1m_rerun paid "You feel better." and the punishment ball, labelled unhelpful, a
+    message on few steps but first seen in most episodes: by steps it was drawn too seldom to be fitted among the
+    helpful "You see here ..." messages, and its steps too few for the gate to see. Labels arrive 25 at a time, the
+    trainer keeps its schedule; once labelled, the ball is paid at no publication (before issue 33: 11 of 43)."""
+    torch.manual_seed(1)
+    model = rm.IntrinsicReward(make_args(reward_type="classification", seed=1), "cpu")
+    items = [f"{n} gold pieces" for n in range(2, 22)] + [f"a {m} corpse" for m in MONSTERS]
+    labelled = ([(WALL, 12000, 100, 0), ("It's solid stone.", 4000, 100, 0), ("Never mind.", 1800, 100, 0),
+                 (BALL, 80, 80, 0)] + [(f"The thing {i} bites!", 1, 1, 0) for i in range(1000)]
+                + [(f"You see here {x}.", 3, 3, 1) for x in items]
+                + [(f"You kill the {m}!", 3, 3, 1) for m in MONSTERS])
+    model.rewards(*sightings_of([(t, k, firsts) for t, k, firsts, _ in labelled]))
+    records = [{"caption": t, "label": label} for t, *_, label in labelled]
+    random.Random(1).shuffle(records)
+    paid = []
+    for i in range(0, len(records), 25):
+        model.add_labels(records[i:i + 25])
+        model.piece.train_now()
+        if model.piece.published and BALL in model.piece.labels:
+            paid.append(model.piece.score(rm.to_rows([BALL]), [BALL]).item())
+    helpful = [t for t, *_, label in labelled if label]
+    assert model.piece.published["fitted"] and model.piece.score(rm.to_rows(helpful), helpful).all()
+    assert len(paid) > 20 and not any(paid), paid
 
 
 def test_ranking_trains_on_every_drawn_pair_as_often_as_the_steps_show_it():
@@ -891,21 +948,21 @@ def test_a_resume_continues_the_reward_model_exactly(monkeypatch):
     model = rm.IntrinsicReward(make_args(reward_type="classification"), "cpu")
     model.add_labels(records[:8])
     assert model.piece.train_now(batch_size=8) == rm.BURST  # the first fit, published
-    model.add_labels(records[8:18])  # 10 labels: 3.2 steps owed, a burst of 3 that the save cuts short
+    model.add_labels(records[8:18])  # 10 labels: 12.8 steps owed, a burst of 12 that the save cuts short
     drawn, real_loss = [], model.piece.minibatch_loss
 
     def stop_at_the_first_step(batch_size):
         model.piece.stop.set()  # as close() does mid-burst
         return real_loss(batch_size)
     monkeypatch.setattr(model.piece, "minibatch_loss", stop_at_the_first_step)
-    assert model.piece.train_now(batch_size=8) == 1 and model.piece.burst == 3  # one step done, not published
+    assert model.piece.train_now(batch_size=8) == 1 and model.piece.burst == 12  # one step done, not published
     state = model.state_dict()
     model.add_labels(records[18:])  # answered after the checkpoint: they come back from labels.jsonl
 
     resumed = rm.IntrinsicReward(make_args(reward_type="classification"), "cpu")
     resumed.add_labels(records)  # as set_up does on resume: the run's labels.jsonl first
     resumed.load_state_dict(state)
-    assert resumed.piece.owed_steps == pytest.approx(3.2) and resumed.piece.new_labels == len(records) - 18
+    assert resumed.piece.owed_steps == pytest.approx(12.8) and resumed.piece.new_labels == len(records) - 18
     assert resumed.piece.model_steps == rm.BURST  # as published: the step of the cut burst is owed again
     # the next minibatches are those the run drew after its publication
     model.piece.rng.setstate(state["minibatch_rng"])

@@ -50,19 +50,16 @@ PROMPTS = {
 }
 # A base model copies the labels of messages like the one asked far better than it applies a stated goal
 # (benchmarks/label_quality.py): a completion prompt shows, for each message, the labelled messages nearest to
-# it by character trigrams, DEMOS_PER_LABEL of each label, nearest last. So on the embedded path the
-# judgement comes from the demonstration pool: by default the dev split of label_sets.tsv beside this file,
-# messages of recorded runs labelled by hand by the goal (its test and goal splits never reach a prompt);
-# --demos takes any other.
-# 4, not 2: at 2 even kills with kills in the pool scored under the threshold; at 4 they score 1.25-1.83.
+# it by character trigrams, DEMOS_PER_LABEL of each label, nearest last. So on the embedded path the judgement
+# comes from the demonstration pool: by default the dev split of label_sets.tsv beside this file, messages of
+# recorded runs labelled by hand by the goal (its test and goal splits never reach a prompt); --demos takes
+# any other. 4, not 2: at 2 even kills with kills in the pool scored under the threshold.
 DEMOS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "label_sets.tsv")
 DEMOS_PER_LABEL = 4
-# A base model's score of a message is logp(" Yes") - logp(" No") for the next token; helpful above THRESHOLD,
-# paying at most 5% of dev's unhelpful steps with the message's group, and with only itself, out of the pool (as
-# new messages are asked), then most agreement + helpful steps (label_quality.py --calibrate). Chosen on the
-# smaller pool of 2026-11-24 and kept on today's (benchmarks/README.md: 0.31 paid more unhelpful messages).
-# Pairs: see preference().
-THRESHOLD, TIE_MARGIN = 0.80, 0.5
+# A base model's score of a message is logp(" Yes") - logp(" No"); helpful above THRESHOLD, paying at most 5%
+# of dev's unhelpful steps with the message's group, and with only itself, out of the pool (as new messages
+# are asked), then most agreement + helpful steps (label_quality.py --calibrate; benchmarks/README.md).
+THRESHOLD, TIE_MARGIN = 0.80, 0.5  # pairs: see preference()
 LABEL_TAG = re.compile(r"<label>\s*(FOO|BAR)\s*</label>", re.IGNORECASE)
 PREFERENCE = re.compile(r"best_description\"?\s*:\s*\"?(1|2|None)", re.IGNORECASE)
 
@@ -78,8 +75,7 @@ def preference(first: float, second: float):
     return 1 if first > second else 2
 
 
-def parse_label(text: str):
-    """1 (FOO) / 0 (BAR) from the last <label> tag of a chat answer, else UNPARSEABLE."""
+def parse_label(text: str):  # 1 (FOO) / 0 (BAR) from the last <label> tag of a chat answer, else UNPARSEABLE.
     tags = LABEL_TAG.findall(text or "")
     return (1 if tags[-1].upper() == "FOO" else 0) if tags else UNPARSEABLE
 
@@ -133,8 +129,7 @@ def similarity(grams: collections.Counter, demo) -> float:
 
 
 def demos_record(path=None) -> dict:
-    """The demonstration pool's file (default DEMOS_FILE) and its sha256 (None: unreadable), for a run record
-    of what made it."""
+    """The demonstration pool's file (default DEMOS_FILE) and sha256 (None: unreadable) for the run record."""
     path = path or DEMOS_FILE
     try:
         with open(path, "rb") as f:
@@ -154,8 +149,7 @@ def demonstrations(caption: str, pool: list, per_label=None) -> str:
                    sorted(nearest, key=lambda d: near[id(d)]))
 
 
-def item_key(item) -> str:
-    """The LabelTable's key of a caption (itself) or of a (first, second) pair."""
+def item_key(item) -> str:  # The LabelTable's key of a caption (itself) or of a (first, second) pair.
     return json.dumps(list(item)) if isinstance(item, tuple) else item
 
 
@@ -214,7 +208,6 @@ def fill(prompts, name, **fields):
 
 class Labeler:
     """Turns one caption or pair into a label with one HTTP request to one of the servers."""
-
     def __init__(self, urls, model, prompts, timeout_s, scored=True, demos=None):
         self.urls, self.timeout_s = [u.rstrip("/") for u in urls], timeout_s
         self.demos = demos  # the demonstration pool; None: the default
@@ -301,8 +294,7 @@ class Labeler:
             return parse_preference(text) if is_pair else parse_label(text)
         if not is_pair:
             return score if (score := self.score(item, server)) is UNPARSEABLE else int(score > THRESHOLD)
-        # A small base model cannot compare two messages (the 270M default answers by position, not content):
-        # a pair's preference comes from the two messages' own scores.
+        # A small base model compares two messages by position: a pair's preference comes from both scores.
         first, second = (self.scores[m] if m in self.scores else self.score(m, server) for m in item)
         if UNPARSEABLE in (first, second):
             return UNPARSEABLE
@@ -314,7 +306,6 @@ class LabelTable:
     """The one label channel, in the Manager's process (it outlives a restarted annotator): the records as written
     (a caption asked again appears again) until the learner has read them, and the keys settled (1e6 records kept
     for good took 455 MB)."""
-
     def __init__(self):
         self.written, self.read, self.done = [], 0, set()  # read: records the learner has taken, dropped
 
@@ -439,9 +430,7 @@ def _manager_process(parent):  # the learner decides when it stops, not a SIGTER
 
 
 class LabelClient:
-    """Starts the annotator (and the embedded LLM server when no --llm-url is given), sends it
-    requests, reads new labels in bulk from the LabelTable, and restarts the annotator if it dies."""
-
+    """Starts the annotator (and the LLM server without --llm-url), feeds it, reads labels, restarts it."""
     def __init__(self, args):
         self.args, self.server, self.process, self.final_stats, self.prompts = args, None, None, None, dict(PROMPTS)
         self.records_read, self.restarts, self.next_check = 0, 0, 0.0  # records_read: the table cursor

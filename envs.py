@@ -35,8 +35,7 @@ X, Y, SCORE, DEPTH, GOLD, XLVL, TIME, DNUM, DLEVEL = (
     nethack.NLE_BL_XP, nethack.NLE_BL_TIME, nethack.NLE_BL_DNUM, nethack.NLE_BL_DLEVEL)
 
 
-def message_bytes(message: np.ndarray) -> bytes:
-    """The message line as bytes without its zero padding."""
+def message_bytes(message: np.ndarray) -> bytes:  # The message line as bytes without its zero padding.
     return message.tobytes().partition(b"\0")[0]
 
 
@@ -50,7 +49,6 @@ def monster_glyph(name: str) -> int:
 class NetHackTask(base.NLE):
     """One of the paper's tasks. Steps NetHack directly (not through NLE's `step`) to copy only the
     bottom-line stats each step and to add the extended-action behaviour."""
-
     def __init__(self, task: str, seed: int | None = None, character: str = DEFAULT_CHARACTER,
                  max_episode_steps: int = MAX_EPISODE_STEPS, extra_keys: tuple[str, ...] = (), **nle_kwargs):
         if task not in TASKS:

@@ -58,9 +58,8 @@ def server_environment(backend) -> dict:
 
 def build_command(backend, model, host, port, threads=None, tensor_parallel_size=1, num_workers=0,
                   gpu_memory_utilization=0.5, scored=True):
-    """The server's command line; checks that the backend is installed and a model path exists.
-    llama.cpp's threads default to the cores that the trainer's env workers leave (at least one); it returns
-    log-probabilities (scored) only with the logits of every prompt token, ~2x the time of a greedy token."""
+    """The server's command line, once the backend and model path are checked. llama.cpp's threads default to
+    the cores the env workers leave (>= 1); log-probabilities (scored) need every prompt token's logits."""
     if backend not in BACKENDS:
         raise SystemExit(f"error: unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if importlib.util.find_spec(backend) is None:

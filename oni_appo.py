@@ -8,8 +8,7 @@ hands the new weights back. `annotator.py` (a subprocess) asks an LLM about the 
 `reward_models.py` turns its labels into the intrinsic reward. See README.md.
 
 Sections, in the data's order: config, policy, V-trace and loss, env workers, acting process, learner,
-checkpoints and logs. A process's section opens with its outline; the rest define a thing before its use.
-"""
+checkpoints and logs. A process's section opens with its outline; the rest define a thing before its use."""
 import collections
 import contextlib
 import dataclasses
@@ -129,8 +128,7 @@ def fail(message: str):  # A clear one-line error for the user, with no tracebac
 
 
 def given_flags(argv) -> set[str]:
-    """The Args fields named on the command line (--a-b, --a_b, --a=v, --no-a), whatever their values: a
-    resume applies `--num-workers 2` where 2 is the default, `--llm-url` with no URL (the embedded server)."""
+    """The Args fields named in argv (--a-b, --a=v, --no-a), even at their defaults: a resume applies them."""
     names = {f.name for f in dataclasses.fields(Args)}
     flags = {token[2:].split("=", 1)[0].replace("-", "_") for token in argv if token.startswith("--")}
     return {name if name in names else name.removeprefix("no_") for name in flags} & names
@@ -202,7 +200,6 @@ def layer_init(layer, std=np.sqrt(2), bias=0.0):
 
 class Agent(nn.Module):
     """12x12 crop (char + colour embeddings, two convs), stats, message (MLPs) -> GRU 512 -> actor, critic."""
-
     def __init__(self, num_actions=len(envs.ACTIONS), hidden=512):
         super().__init__()
         self.char_embed, self.color_embed = nn.Embedding(256, 32), nn.Embedding(16, 32)
@@ -223,8 +220,7 @@ class Agent(nn.Module):
     def encode(self, obs):
         """obs: chars/colors [N,21,79] uint8, blstats [N,27], message [N,256] -> [N, hidden]."""
         chars, colors, blstats = obs["chars"].long(), obs["colors"].long(), obs["blstats"].float()
-        n, pad = chars.shape[0], CROP // 2
-        # The agent's place on the map padded by half a crop on each side.
+        n, pad = chars.shape[0], CROP // 2  # The map is padded by half a crop on each side.
         x, y = blstats[:, envs.X].long().clamp(0, 78) + pad, blstats[:, envs.Y].long().clamp(0, 20) + pad
         offsets = torch.arange(-pad, CROP - pad, device=chars.device)
         rows, cols = (y[:, None] + offsets)[:, :, None], (x[:, None] + offsets)[:, None, :]
@@ -242,8 +238,7 @@ class Agent(nn.Module):
         return self.actor(h), self.critic(h).squeeze(-1), h
 
     def fast_step(self, obs, h):
-        """step(); on a GPU under no_grad, for speed (act_cost.py), a replay of a CUDA graph captured for this
-        batch size: the same kernels on the same weights (load_state_dict copies in place), bit-identical."""
+        """step(); on a GPU under no_grad, a bit-identical replay of a CUDA graph captured per batch size."""
         if h.device.type != "cuda":
             return self.step(obs, h)
         with torch.no_grad(), torch.cuda.device(h.device):  # On h's GPU, not the current one.
@@ -274,7 +269,6 @@ class Agent(nn.Module):
 # ---------------------------------------- V-trace and loss ------------------------------------------------
 # What the learner computes from a batch: end codes, V-trace targets over a rollout, the APPO loss.
 class End(enum.IntEnum):
-    """Per-transition end codes in the rollout buffers."""
     RUNNING = 0
     TERMINATED = 1  # Death or success: the return is cut, and the next observation starts a new episode.
     TRUNCATED = 2  # The time limit: bootstrapped from its last observation, which obs t+1 shows.
@@ -292,8 +286,7 @@ def carry_state(h, end):
 
 
 def vtrace(rewards, values, bootstrap, discounts, rhos, cs):
-    """V-trace targets (Espeholt et al. 2018, eq. 1), recursively. rewards, discounts, rhos, cs, values: [T,
-    B]; bootstrap: V(x_T) [B]. Returns vs [T, B], advantages rho_t (r_t + discount_t vs_{t+1} - V_t)."""
+    """V-trace (Espeholt et al. 2018, eq. 1): vs and advantages [T, B]; bootstrap: V(x_T) [B]."""
     next_values = torch.cat([values[1:], bootstrap[None]])
     deltas = rhos * (rewards + discounts * next_values - values)
     acc, vs = torch.zeros_like(bootstrap), torch.empty_like(values)
@@ -304,8 +297,7 @@ def vtrace(rewards, values, bootstrap, discounts, rhos, cs):
 
 
 def vtrace_targets(end, rewards, values, ratio, gamma):
-    """V-trace over a rollout; values: [T+1, B] (the last bootstraps). A truncation bootstraps from its last
-    observation, only true ends cut the return; a reset step is no transition (rho = c = 0, no discount)."""
+    """V-trace over a rollout; values: [T+1, B], the last bootstraps; the end codes as End describes them."""
     discounts = gamma * ((end == End.RUNNING) | (end == End.TRUNCATED)).float()
     clipped = ratio.clamp(max=1.0) * (end != End.RESET).float()  # rho_bar = c_bar = 1
     return vtrace(rewards, values[:-1], values[-1], discounts, clipped, clipped)
@@ -360,8 +352,7 @@ def make_buffers(num_buffers, rollout, n):
 
 def env_worker(index, task, seed, num_envs, buffers, conn, max_episode_steps=envs.MAX_EPISODE_STEPS):
     """Steps half of its envs per command (half, buffer, t): the actions at [buffer, t] in; the reward, end
-    code, the step's own message at t and the next observation at t+1 out (t=-1: a reset into 0). A death or
-    success resets at once (obs t+1 starts the next episode); a truncation shows its end, then resets."""
+    code (End), the step's own message at t and the next observation at t+1 out (t=-1: a reset into 0)."""
     torch.set_num_threads(1)
     bufs, half_size = {k: v.numpy() for k, v in buffers.items()}, num_envs // 2
     needs_reset = [False] * num_envs
@@ -406,15 +397,12 @@ def env_worker(index, task, seed, num_envs, buffers, conn, max_episode_steps=env
 
 
 # ---------------------------------------- acting process --------------------------------------------------
-# One process acts for all env workers and hands full rollouts to the learner. act_process is its outline, the
-# functions after it follow in the order it calls them; first comes SharedWeights, which brings the weights.
+# One process acts for all env workers and hands full rollouts to the learner; SharedWeights brings weights.
 LOCK_WAIT_S = 10.0  # A copy of the weights is quick: a lock held this long is held by a process that died.
 
 
 class SharedWeights:
-    """The learner's weights in shared memory for the acting process, written whole with their version (the
-    updates that made them) under a lock and copied whole under it: inference never acts on half an update."""
-
+    """The learner's weights and version in shared memory, copied whole under a lock: never half an update."""
     def __init__(self, agent, version):
         self.tensors = {k: v.detach().cpu().clone().share_memory_() for k, v in agent.state_dict().items()}
         self.version, self.lock = torch.tensor([version]).share_memory_(), mp.get_context("spawn").Lock()
@@ -436,8 +424,7 @@ class SharedWeights:
 
 
 def act_process(args, buffers, weights, full_rollouts, free_buffers, stop, collected_steps):
-    """The acting process: it starts the env workers, acts for their ready slots and hands full rollouts over
-    until stopped; its last message, "end", brings the steps and episodes of its last moments."""
+    """The acting process: it starts the env workers, acts for their ready slots, hands full rollouts over."""
     torch.set_num_threads(1)  # Small CPU ops: more threads would only wake each other (README).
     actor = Actor(args, buffers, weights, full_rollouts, free_buffers, stop, collected_steps)
     conns, workers = start_workers(actor)
@@ -450,10 +437,8 @@ def act_process(args, buffers, weights, full_rollouts, free_buffers, stop, colle
 
 
 class Actor:
-    """The acting process's state: the slots (each half of a worker's envs, stepped together), the buffer each
-    fills, the policy it acts with. Its pipes: full_rollouts sends the learner (kind, what, episodes,
-    collected steps), ("rollout", (buffer, slot), ...) when full; free_buffers brings buffers back."""
-
+    """The acting process's state: its slots (half a worker's envs each), their buffers, the policy. Pipes:
+    full_rollouts sends the learner (kind, what, episodes, collected steps), free_buffers the reverse."""
     def __init__(self, args, buffers, weights, full_rollouts, free_buffers, stop, collected_steps):
         self.args, self.buffers, self.weights, self.stop = args, buffers, weights, stop
         self.full_rollouts, self.free_buffers = full_rollouts, free_buffers
@@ -487,8 +472,7 @@ def start_workers(actor):
     return conns, workers
 
 
-def collect(actor, conns):
-    """Until stopped: act for ready slots, hand full rollouts to the learner."""
+def collect(actor, conns):  # Until stopped: act for ready slots, hand full rollouts to the learner.
     waiting = []
     while not actor.stop.value:
         ready = waiting + receive(actor, conns)  # Slots that waited for an empty buffer go first.
@@ -575,14 +559,12 @@ def stop_workers(conns, workers):
 
 
 # ---------------------------------------- learner ---------------------------------------------------------
-# This process: full rollouts -> rewards -> APPO updates -> weights. train is the outline, the functions after
-# it follow in the order it calls them; they call the last section's to checkpoint and log.
+# This process: full rollouts -> rewards -> APPO updates -> weights; the last section checkpoints and logs.
 TORCH_THREADS = torch.get_num_threads()  # The learner's, read before any thread changes the default.
 
 
 def train(args):
-    """A run: set_up builds the learner's side (a Run), start_acting starts the acting process, learn trains
-    until --total-env-steps are learned or a stop, end_acting stops it, finish writes the summary."""
+    """A run: the learner's side, the acting process, learning to --total-env-steps or a stop, the summary."""
     run = set_up(args)
     start_acting(run)
     run.start_time = time.time()
@@ -611,9 +593,7 @@ class Run:
     intrinsic: reward_models.IntrinsicReward
     client: annotator.LabelClient | None  # The annotator's: label requests go out, labels come in.
     writer: object  # Tensorboard's SummaryWriter; wandb syncs from it with --track.
-    # collected_steps (as the acting process last said), updates (= the policy version), episodes. Collection
-    # runs ahead: the steps learned, which checkpoints and summary.json count, are learned_steps(run).
-    counters: dict
+    counters: dict  # collected_steps (ahead of learned_steps(run)), updates (the policy version), episodes.
     saved_totals: dict  # The run's totals at the checkpoint it resumed from; run_totals adds this session's.
     sessions: list  # The run_record() of each session, this one last.
     buffers: dict  # The rollout buffers (make_buffers): enough for the slots in flight and one batch.
@@ -670,8 +650,7 @@ def set_up(args) -> Run:
 
 
 def start_acting(run):
-    """Starts the acting process, ignoring Ctrl-C and SIGTERM as its env workers then do (both reach the whole
-    process group): this process alone stops them, with the stop flag, at an update's end."""
+    """Starts the acting process deaf to Ctrl-C and SIGTERM (sent to the group): the stop flag stops it."""
     run.full_rollouts, full_rollouts_out = mp.Pipe(duplex=False)
     free_buffers_in, run.free_buffers = mp.Pipe(duplex=False)
     # Slot s starts in buffer s.
@@ -694,8 +673,7 @@ def start_acting(run):
 
 
 def learn(run):
-    """Batches of full rollouts -> rewards (extrinsic + intrinsic) -> an APPO update -> the new weights to the
-    acting process; then the new LLM labels go in. Checkpoints come between updates: they hold whole ones."""
+    """Batch by batch: rewards, an APPO update, weights out, labels in; checkpoints come between updates."""
     torch.set_num_threads(TORCH_THREADS)  # The reward model's trainer thread sets its own: not this thread's.
     last_log = last_checkpoint = time.time()
     while (rollouts := next_batch(run)) is not None:
@@ -811,13 +789,11 @@ def add_intrinsic_episodes(totals, finished, paid, end, env_ids):
     paid = paid.cpu().numpy()[:, order].T.ravel().astype(np.float64)
     end = end.cpu().numpy()[:, order].T.ravel()
     env = np.repeat(env_ids[order], len(end) // len(order))
-    # A reset step: none.
     steps = np.stack([paid, paid != 0, np.ones_like(paid)], 1) * (end != End.RESET)[:, None]
     first, last = np.r_[True, env[1:] != env[:-1]], np.r_[env[1:] != env[:-1], True]
     steps[first] += totals[env[first]] * (end[first] != End.RESET)[:, None]  # Episodes in progress go on.
     done = (end == End.TERMINATED) | (end == End.TRUNCATED)
-    # A reset drops its episode.
-    starts = np.flatnonzero(first | (end == End.RESET) | np.r_[False, done[:-1]])
+    starts = np.flatnonzero(first | (end == End.RESET) | np.r_[False, done[:-1]])  # Resets drop episodes.
     sums, ends = np.add.reduceat(steps, starts), np.r_[starts[1:], len(end)] - 1
     totals[env[first]], going_on = 0.0, last[ends] & ~done[ends]
     totals[env[ends[going_on]]] = sums[going_on]
@@ -886,8 +862,7 @@ def add_scalars(writer, prefix, values, step):
             writer.add_scalar(f"{prefix}/{k}", v, step)
 
 
-def save(run):
-    """The checkpoint at the steps learned (a resume collects again the rest); returns the totals."""
+def save(run):  # The checkpoint at the steps learned (a resume collects again the rest); returns the totals.
     totals = run_totals(run, run.client.stats() if run.client is not None else {})
     counters = dict(learned_steps=learned_steps(run), updates=run.counters["updates"],
                     episodes=run.counters["episodes"])
@@ -899,8 +874,7 @@ def save(run):
 
 
 def run_totals(run, llm) -> dict:
-    """The whole run's sums over resumes: the checkpoint's plus this session's (the learner's sums, its wall
-    time and steps learned, the counts in the annotator's stats `llm`, which start at 0 in each session)."""
+    """The run's sums: the checkpoint's plus this session's (learner sums, time, steps learned, LLM's)."""
     session = dict(run.sums, wall_time_s=time.time() - run.start_time,
                    learned_steps=learned_steps(run) - run.start_learned,
                    **{f"llm_{k}": llm.get(k, 0) for k in LLM_COUNTS})
@@ -918,8 +892,7 @@ def write_checkpoint(state, path):
 
 def plain(value):
     """value in the types torch.load(weights_only=True) reads, so that a checkpoint cannot run code: numpy
-    arrays as tensors, numpy numbers as Python's, other mappings (a Counter) as dicts; TypeError on anything
-    else. Their readers take them back as they took the originals (np.asarray a tensor, Counter a dict)."""
+    arrays as tensors, numpy numbers as Python's, other mappings (a Counter) as dicts; else a TypeError."""
     if type(value) in SAFE or isinstance(value, torch.Tensor):
         return value
     if isinstance(value, np.ndarray):
@@ -938,16 +911,14 @@ def plain(value):
 
 
 def load_checkpoint(path, agent=None, trust=False):
-    """(file, checkpoint, its Args) of a checkpoint file or run dir, the policy into agent; else a one-line
-    error. trust: one that needs pickle is read with it and rewritten safe (see read_checkpoint)."""
+    """(file, checkpoint, Args) of a checkpoint or run dir, the policy into agent; trust: read_checkpoint."""
     path = os.path.join(path, "checkpoint.pt") if os.path.isdir(path) else path
     if not os.path.isfile(path):
         fail(f"no checkpoint at {path}")
     checkpoint = read_checkpoint(path, trust)
     if not isinstance(checkpoint, dict) or not all(isinstance(checkpoint.get(k), dict) for k in KEYS):
         fail(f"{path} is not a checkpoint of oni_appo.py")
-    # A flag removed since (--eval went to evaluate.py) is dropped.
-    known = {f.name for f in dataclasses.fields(Args)}
+    known = {f.name for f in dataclasses.fields(Args)}  # A flag removed since (--eval) is dropped.
     saved = Args(**{k: v for k, v in checkpoint["args"].items() if k in known})
     try:
         if agent is not None:
@@ -958,9 +929,8 @@ def load_checkpoint(path, agent=None, trust=False):
 
 
 def read_checkpoint(path, trust=False):
-    """A checkpoint file's contents, read with weights_only=True: a shared one cannot run code. One that
-    needs pickle (written before checkpoints held plain values only, or crafted) is refused, unless trust:
-    then it is read with pickle once and rewritten in the safe format. Else a one-line error."""
+    """A checkpoint file's contents, read with weights_only=True: a shared one cannot run code. One that needs
+    pickle (older, or crafted) is refused unless trust: then read with it once, rewritten safe."""
     try:
         with warnings.catch_warnings(action="ignore"):  # Torch's warning on pickles: the error says enough.
             return torch.load(path, map_location="cpu", weights_only=True)
@@ -1016,8 +986,7 @@ def rewrite(path, lines):  # Atomically, so that a crash now cannot lose the fil
 
 
 def run_record(args) -> dict:
-    """What made this session of the run: the code, the resolved flags and, where the reward asks an LLM, the
-    demonstration pool and the servers asked (finish() adds the model they answered as, the embedded URL)."""
+    """What made this session: its code, flags and, for an LLM's reward, the demonstrations and servers."""
     commit, dirty = git_state()
     record = {"started": time.strftime("%Y-%m-%d %H:%M:%S %z"), "commit": commit,
               "uncommitted_changes": dirty, "flags": dataclasses.asdict(args)}
@@ -1028,8 +997,7 @@ def run_record(args) -> dict:
 
 
 def git_state(root=os.path.dirname(os.path.abspath(__file__))):
-    """(commit, whether tracked files have uncommitted changes) of the code in `root`; "unknown" where there
-    is no git or no repository. Untracked files do not count: results/ holds runs being written."""
+    """(commit, tracked files changed) of `root`'s code, else "unknown"; untracked results/ do not count."""
     try:
         def git(*argv):
             return subprocess.run(["git", *argv], cwd=root, capture_output=True, text=True, timeout=60,

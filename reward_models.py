@@ -46,8 +46,7 @@ def count_normalized(values: torch.Tensor, counts: torch.Tensor, beta: float) ->
     return values / counts.float().clamp(min=1) ** beta
 
 
-def mix(env_reward, paid, args):
-    """The total reward the policy learns from; paid: R / N^beta of each step."""
+def mix(env_reward, paid, args):  # The total reward the policy learns from; paid: R / N^beta of each step.
     extrinsic = (env_reward * args.reward_scale).clamp(-args.reward_clip, args.reward_clip)
     return args.extrinsic_coef * extrinsic + args.intrinsic_coef * paid
 
@@ -67,7 +66,6 @@ def outputs(model, texts, device):
 
 class MessageEncoder(nn.Module):
     """Bytes of the message -> embedding 32 -> 1-D char-CNN -> 128 features (Motif's encoder)."""
-
     def __init__(self, channels=64):
         super().__init__()
         self.embed, c = nn.Embedding(256, 32), channels
@@ -83,10 +81,8 @@ class MessageEncoder(nn.Module):
 class RankingNorm:
     """Ranking rewards as z-scores over a reference of messages, weighted by how often each occurs (the empty
     message excluded), paid above a floor, within +-RANKING_CLIP: Ranking's floor is RANKING_BAR standard
-    deviations above the mean, offline Motif's the weighted median (Motif's own rule). Nothing is paid before
-    a fit, nor while the outputs over the reference span less than MIN_SPREAD: a z-score would turn noise
-    into rewards."""
-
+    deviations above the mean, offline Motif's the weighted median (Motif's rule). Nothing is paid before a
+    fit, nor while the outputs over the reference span under MIN_SPREAD: a z-score would pay noise."""
     def __init__(self, mean=None, std=None, floor=None, median=None):  # Older checkpoints hold a median.
         self.mean, self.std, self.floor = mean, std, median if floor is None else floor
 
@@ -143,7 +139,6 @@ class Retrieval(NoReward):
 
 class Ellm(NoReward):
     """ELLM-BoW: R = cosine(message, goal) with the packaged all-MiniLM-L6-v2 (no download)."""
-
     def __init__(self, args, device):
         super().__init__(args, device)
         try:
@@ -257,8 +252,7 @@ class TrainedModel(NoReward):
     def load_state_dict(self, state):  # before start(), after the run's labels came back from labels.jsonl
         trainer = state.get("trainer", {})  # (none in checkpoints from before it was kept: nothing owed)
         self.owed_steps, self.batches = trainer.get("owed_steps", 0.0), trainer.get("batches", 0)
-        # labels the model had not trained on when saved, and those the LLM gave after the checkpoint
-        # (fewer if labels.jsonl lost the last records a crash cut short: not below none)
+        # labels not trained on when saved, and those given since (fewer if a crash cut labels.jsonl short)
         self.new_labels = max(0, trainer.get("new_labels", 0) + len(self.data) - trainer.get("labels", len(self.data)))
         if state.get("model_steps"):
             self.model.load_state_dict(state["model"])
@@ -271,8 +265,7 @@ class TrainedModel(NoReward):
 
 class Classification(TrainedModel):
     """ONI-Classification: R = 1 if a classifier trained on the labels says p(helpful) > 0.5 (once fitted).
-    It scores every message, labelled or not; where it has labels, it pays as they say, as far as its gate
-    allows."""
+    It scores every message, labelled or not; where it has labels, it pays as they say, as its gate allows."""
     asks, scoring_keys, steps_per_label = "captions", ("fitted", "frequent"), CLASSIFIER_STEPS_PER_LABEL
 
     def __init__(self, args, device):
@@ -295,8 +288,7 @@ class Classification(TrainedModel):
 
     def minibatch_loss(self, batch_size):  # half drawn as the reference drew, uniformly over the labels,
         # half as the gate weighs them, by pay: by steps, a message on few steps but first seen in most
-        # episodes was drawn too seldom to be fitted; by distinct labels, a wall on 20% of the steps was one
-        # of 3,416
+        # episodes was drawn too seldom to fit; by labels, a wall on 20% of the steps was one of 3,416
         texts, weights = (self.published or {}).get("frequent") or (self.keys, None)
         with self.lock:
             texts = self.rng.choices(self.keys, k=(half := batch_size // 2)) + self.rng.choices(
@@ -386,10 +378,9 @@ class Ranking(TrainedModel):
 
 
 class Motif(Ranking):
-    """Offline Motif: Ranking trained once on the pairs of --labels-from (10 epochs, at least 300 steps),
-    then frozen with its statistics over the file's messages (as often as they occur there), paid above
-    their median as Motif paid: in a pair file every decisive pair holds a preferred message, so preferred
-    messages are common there and z > RANKING_BAR would pay none of them."""
+    """Offline Motif: Ranking trained once on the pairs of --labels-from (10 epochs, >= 300 steps), then
+    frozen with its statistics over the file's messages, paid above their median as Motif paid: in a pair file
+    preferred messages are common (each decisive pair has one), so z > RANKING_BAR would pay none of them."""
     asks, median = None, True
 
     def __init__(self, args, device):
@@ -416,7 +407,6 @@ REWARD_TYPES, NEEDS_LLM = tuple(PIECES), tuple(name for name, piece in PIECES.it
 
 class IntrinsicReward:
     """All reward types: the piece's R per distinct message, count normalization, the mix, what to ask, messages.tsv."""
-
     def __init__(self, args, device):
         self.args, self.device, self.piece = args, device, PIECES[args.reward_type](args, device)
         self.start, self.close, self.train_stats = self.piece.start, self.piece.close, self.piece.train_stats
@@ -484,10 +474,9 @@ class IntrinsicReward:
         return mix(env_reward, paid, self.args), paid, stats
 
     def offered(self, inverse, weights, nonempty):
-        """The steps whose messages enter the pair pool, the empty message never: each with probability its
-        pay weight 1 / N^beta, so that pairs are drawn as the count normalization pays: a kill seen once an
-        episode is compared about as often as a wall bumped into 50 times an episode, not a 50th as often.
-        --raw-ranking: every 10th step, the reference's frequencies."""
+        """The steps whose non-empty messages enter the pair pool, each with probability its pay weight
+        1/N^beta, so that pairs are drawn as the count normalization pays: a kill seen once an episode is
+        compared as often as a wall bumped into 50 times. --raw-ranking: every 10th step."""
         if self.args.raw_ranking:
             steps = inverse[(-self.steps_seen) % PAIR_POOL_EVERY::PAIR_POOL_EVERY]
             return steps[nonempty[steps]]

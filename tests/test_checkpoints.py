@@ -15,7 +15,7 @@ import evaluate
 import oni_appo
 import reward_models as rm
 from benchmarks import learning_curves
-from test_reward_models import LABELLED_STEPS, STEPS, steps_of
+from test_reward_models import LABELLED, STEPS, steps_of
 
 
 class WritesAFile:
@@ -54,7 +54,7 @@ def saved_run(tmp_path, reward_type):
 def labels(reward_type):
     if reward_type == "ranking":
         return [{"pair": ["It's a wall.", f"You kill the {m}!"], "preference": 2} for m in ("newt", "jackal")]
-    return [{"caption": t, "label": label} for t, _, label in LABELLED_STEPS]
+    return [{"caption": t, "label": label} for t, *_, label in LABELLED]
 
 
 OLD_COUNTERS = {"env_steps": 512, "updates": 2, "episodes": 1}  # env_steps: the steps learned

@@ -746,7 +746,8 @@ def take_batch(run, rollouts):
     batch["h0"] = run.buffers["h0"][ids].flatten(0, 1).to(run.device)
     env_ids = np.concatenate([s * run.envs_per_slot + np.arange(run.envs_per_slot) for _, s in rollouts])
     lag = run.counters["updates"] - run.buffers["version"][ids].float()
-    run.free_buffers.send(ids)
+    with contextlib.suppress(OSError):  # A dead acting process closed the pipe: next_message will say so.
+        run.free_buffers.send(ids)
     return batch, data["step_message"], env_ids, lag  # The messages stay on the CPU, for np.unique.
 
 

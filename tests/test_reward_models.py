@@ -642,7 +642,7 @@ def test_the_classifier_gate_does_not_flicker_near_its_bar():
     assert len({publish(model.piece, near) for _ in range(20)}) == 1  # a fixed model, a fixed verdict
     rng, fitted = random.Random(0), []
     for _ in range(40):  # a model still learning: 87% to 94% of what it would pay goes to helpful labels
-        judge = Judge(helpful + rng.sample(unhelpful[:1024], rng.randint(6, 15)))  # (the gate's 1,024 a class)
+        judge = Judge(helpful + rng.sample(unhelpful[:1024], rng.randint(6, 15)))  # the gate's 1,024
         fitted.append(publish(model.piece, judge, fresh=False))
     assert sum(a != b for a, b in zip([False] + fitted, fitted)) == 1 and fitted[-1], fitted
 

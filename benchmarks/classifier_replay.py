@@ -39,7 +39,7 @@ def label_times(run):
     pattern = re.compile(r"steps\s+([\d,]+) .*llm labels ([\d,]+)")
     found = [(int(m[2].replace(",", "")), int(m[1].replace(",", ""))) for line in open(path)
              if (m := pattern.match(line))] if os.path.exists(path) else []
-    return found or [(0, 0), (10 ** 9, 10 ** 9)]
+    return found
 
 
 def replay(run, seed, sets, weigh, hand_path, top=5):
@@ -75,7 +75,7 @@ def replay(run, seed, sets, weigh, hand_path, top=5):
         return p > 0.5, p
 
     times = label_times(run)
-    at = lambda n: next((step for given, step in times if given >= n), times[-1][1])
+    at = lambda n: next((step for given, step in times if given >= n), times[-1][1]) if times else n
     sums = np.zeros((2, 2, 2))  # [pay, steps][unhelpful, helpful][paid, all]
     against, fitted = {}, []
     for i in range(0, len(records), CHUNK):

@@ -22,7 +22,7 @@ import envs
 
 SMALL_SET = 25_000  # below this many labels, train 32 steps per 100 new labels (the reference merged
 BURST = 32  # its client's newest 100 labels at once, then trained 32 steps): a first fit of 32 steps,
-STEPS_PER_LABEL = BURST / 100  # then 0.32 steps per label as labels arrive, at most 32 per burst
+STEPS_PER_LABEL = BURST / 100  # then 0.32 steps per label (the classifier 4x) as labels arrive, 32 a burst
 PAIR_POOL_EVERY = 10  # --raw-ranking: every 10th step's message enters the pool that pairs are drawn from
 PAIR_POOL_SIZE = 100_000  # beyond this the pool is a uniform sample of all of them
 PAIRS_PER_BATCH = 8  # ranking draws this many pairs per learner batch: asked, or reused when already answered

@@ -29,7 +29,6 @@ PAIRS_PER_BATCH = 8  # ranking draws this many pairs per learner batch: asked, o
 REFERENCE_STEPS = 16_384  # Ranking's statistics are over the messages of the run's first non-empty steps.
 RANKING_BAR, RANKING_CLIP = 1.5, 5.0  # A ranking reward is a z-score paid above 1.5 std, at most 5.
 MIN_SPREAD = 0.5  # ...of a model whose outputs differ by at least this (Bradley-Terry log-odds)
-CLASSIFIER_STEPS_PER_LABEL = 4 * STEPS_PER_LABEL  # the classifier fits a label before paying long against it
 FIT, UNFIT = 0.9, 0.85  # it pays once 90% of its helpful labels' pay is paid and 90% of what it pays goes to
 GATE_MESSAGES = 1024  # helpful labels, stops below 85%: judged on this many labels a class, those paid most
 RETRY_S = 60.0  # a caption still unanswered this long after it was asked is asked again
@@ -266,7 +265,8 @@ class TrainedModel(NoReward):
 class Classification(TrainedModel):
     """ONI-Classification: R = 1 if a classifier trained on the labels says p(helpful) > 0.5 (once fitted).
     It scores every message, labelled or not; where it has labels, it pays as they say, as its gate allows."""
-    asks, scoring_keys, steps_per_label = "captions", ("fitted", "frequent"), CLASSIFIER_STEPS_PER_LABEL
+    asks, scoring_keys = "captions", ("fitted", "frequent")
+    steps_per_label = 4 * STEPS_PER_LABEL  # It fits a new label before it pays long against it.
 
     def __init__(self, args, device):
         super().__init__(args, device, nn.Sequential(

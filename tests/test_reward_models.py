@@ -470,7 +470,8 @@ def test_a_classifier_pays_only_once_it_tells_its_labels_apart(seed):
         model.add_labels([{"caption": caption, "label": 0}])
         model.piece.train_now()
         assert paid_sensibly(unhelpful[:u + 1]), u
-    assert model.piece.model_steps == rm.BURST + int((len(unhelpful) - 1) * rm.CLASSIFIER_STEPS_PER_LABEL)  # 32, then
+    per_label = rm.Classification.steps_per_label
+    assert model.piece.model_steps == rm.BURST + int((len(unhelpful) - 1) * per_label)  # 32, then
     # 1.28 a label
     for _ in range(300):
         model.piece.train_now(1)

@@ -689,12 +689,7 @@ def learn(run):
         intrinsic_done = time.perf_counter()
         losses = update_policy(run, batch, rewards)
         if run.client is not None:  # Here labels enter the reward, and captions leave for the LLM.
-            # A fatal LLM error stops the run; a dead annotator is restarted and asked again, but not in a
-            # stop, where the SIGTERM to the process group killed it.
-            if not run.stop.value and run.client.check():
-                run.client.request(*run.intrinsic.unanswered())
-            run.intrinsic.add_labels(run.client.new_records())
-            run.client.request(*run.intrinsic.label_requests())
+            run.intrinsic.exchange(run.client, stopping=run.stop.value)
         run.losses = dict(losses, **run.intrinsic.train_stats(), time_intrinsic_s=intrinsic_done - started,
                           time_policy_s=time.perf_counter() - intrinsic_done)
         run.updates.append(dict(reward_stats, lag_mean=lag.mean().item(), lag_max=lag.max().item()))

@@ -423,20 +423,6 @@ class IntrinsicReward:
         if args.labels_from and self.piece.asks:  # a head start (Motif trains on them itself)
             self.add_labels(annotator.read_labels(args.labels_from))
 
-    def add_labels(self, records):  # the LLM's new answers, --labels-from, or on resume the run's labels.jsonl
-        self.piece.add_labels(records)  # first: a caption labelled, then unparseable in the same records, is done
-        drawn_again = []  # pairs drawn again while asked: trained on once a draw, like the answer itself
-        for record in records:
-            if "pair" in record:  # a tie (None) is an answer too
-                (a, b), preference = record["pair"], record["preference"]
-                self.answered[a, b], self.answered[b, a] = preference, {1: 2, 2: 1}.get(preference)
-                drawn_again += [(a, b)] * (self.waiting.pop((a, b), 1) - 1)
-            elif "caption" in record and self.piece.asks == "captions":
-                self.asked.pop(record["caption"], None)  # answered; or asked again after RETRY_S, so last: oldest first
-                if record["label"] is None and record["caption"] not in self.piece.labels:
-                    self.asked[record["caption"]] = time.time()
-        self.reuse(drawn_again)
-
     def known_keys(self) -> set[str]:  # captions answered and pairs compared: what the annotator need not ask again
         return set(self.piece.labels) | {annotator.item_key(pair) for pair in self.answered}
 
@@ -503,23 +489,43 @@ class IntrinsicReward:
         self.reused.update(pairs)
         self.piece.add_labels([{"pair": list(pair), "preference": self.answered[pair]} for pair in pairs])
 
+    def exchange(self, client, stopping=False) -> tuple[list[str], list[tuple[str, str]]]:
+        """Once an update: asks a restarted annotator again, adds the new labels, sends what to ask now."""
+        if not stopping and client.check():  # no restart in a stop: the SIGTERM to the group killed it
+            client.request(*self.unanswered())
+        self.add_labels(client.new_records())
+        client.request(*(asked := self.label_requests()))
+        return asked
+
     def unanswered(self) -> tuple[list[str], list[tuple[str, str]]]:  # for a restarted annotator: captions and pairs,
         return tuple(list(itertools.islice(t, annotator.MAX_BACKLOG)) for t in (self.asked, self.waiting))  # oldest first
+
+    def add_labels(self, records):  # the LLM's answers, --labels-from, or on a resume the run's labels.jsonl
+        self.piece.add_labels(records)  # first: a caption labelled, then unparseable in one call, is done
+        drawn_again = []  # pairs drawn again while asked: trained on once a draw, like the answer itself
+        for record in records:
+            if "pair" in record:  # a tie (None) is an answer too
+                (a, b), preference = record["pair"], record["preference"]
+                self.answered[a, b], self.answered[b, a] = preference, {1: 2, 2: 1}.get(preference)
+                drawn_again += [(a, b)] * (self.waiting.pop((a, b), 1) - 1)
+            elif "caption" in record and self.piece.asks == "captions":
+                self.asked.pop(record["caption"], None)  # answered, or asked again: to the end (oldest first)
+                if record["label"] is None and record["caption"] not in self.piece.labels:
+                    self.asked[record["caption"]] = time.time()
+        self.reuse(drawn_again)
 
     def label_requests(self) -> tuple[list[str], list[tuple[str, str]]]:
         """What to ask the LLM now: captions new since the last call and those unanswered for RETRY_S (a full
         backlog may have dropped them); ranking: of PAIRS_PER_BATCH pairs per batch since the last call, those not
         answered yet. Each drawn pair is trained on once, so the pairs keep the steps' frequencies."""
         captions, self.to_ask, now = self.to_ask, [], time.time()
-        if now - self.last_retry > RETRY_S:  # the oldest first, as many as the annotator's backlog holds beside the
-            # new ones: a sweep of all 1e6 unanswered stalled the learner 1.6 s and pushed 57 MB through the queue
+        if now - self.last_retry > RETRY_S:  # the oldest, what the backlog takes: all would stall the learner
             waited = itertools.takewhile(lambda text: now - self.asked[text] > RETRY_S, self.asked)
             again = list(itertools.islice(waited, max(0, annotator.MAX_BACKLOG - len(captions))))
             for text in again:  # to the end: asked now
                 del self.asked[text]
                 self.asked[text] = now
-            # before the new ones: the annotator asks the oldest first and turns new ones away from a full backlog
-            captions, self.last_retry = again + captions, now
+            captions, self.last_retry = again + captions, now  # first: a full backlog turns away the last
         wanted, self.batches_to_pair = PAIRS_PER_BATCH * self.batches_to_pair, 0
         drawn = [pair for _ in range(wanted) if self.pair_pool and (pair := self.draw_pair())]
         self.reuse([pair for pair in drawn if pair in self.answered])

@@ -7,8 +7,8 @@ and IntrinsicReward, as the learner thread of oni_appo.learn() drives them.
 Each case runs in a process of its own (its peak RSS is its own) and prints the peak RSS (VmHWM) of the learner
 process, the Manager and the annotator; the learner thread's time per update: `intrinsic.rewards()` on a batch of
 synthetic messages (32 x 32 steps, --new-per-update of them new distinct messages, the rest 50 common ones) and
-the label exchange of learn() (client.check(), intrinsic.add_labels(client.new_records()),
-client.request(*intrinsic.label_requests())); and a checkpoint of the reward model (torch.save of
+the label exchange of learn() (intrinsic.exchange(client): client.check(), add_labels(client.new_records()),
+client.request(*label_requests())); and a checkpoint of the reward model (torch.save of
 intrinsic.state_dict()). The cases:
 
 - `captions`: --captions distinct captions, classification (--captions-reward), each answered before the next
@@ -141,11 +141,14 @@ def measure(case, n, opts):
         t0 = time.perf_counter()
         intrinsic.rewards(zeros, messages, counts, terminal)
         t1 = time.perf_counter()
-        if client.check() and hasattr(intrinsic, "unanswered"):  # as learn(): a restarted annotator is asked again
-            client.request(*intrinsic.unanswered())
-        intrinsic.add_labels(client.new_records())
-        captions, pairs = intrinsic.label_requests()
-        client.request(captions, pairs)
+        if hasattr(intrinsic, "exchange"):  # as learn()
+            captions, pairs = intrinsic.exchange(client)
+        else:  # a --baseline from before the one exchange call: learn()'s calls then
+            if client.check() and hasattr(intrinsic, "unanswered"):
+                client.request(*intrinsic.unanswered())
+            intrinsic.add_labels(client.new_records())
+            captions, pairs = intrinsic.label_requests()
+            client.request(captions, pairs)
         t2 = time.perf_counter()
         rewards_s.append(t1 - t0)
         exchange_s.append(t2 - t1)

@@ -532,7 +532,7 @@ LABELLED = ([(WALL, 12000, 100, 0), ("It's solid stone.", 4000, 100, 0), ("Never
                ("You see here 5 gold pieces.", 8, 8, 1), ("You kill the jackal!", 6, 6, 1),
                ("Welcome to experience level 2.", 3, 3, 1), ("You find a hidden passage.", 2, 2, 1)])
 HELPFUL = [t for t, *_, label in LABELLED if label]
-GATE_WEIGHT = {t: firsts + 1 for t, _, firsts, _ in LABELLED}  # the gate's weight: the pay weight, + 1
+GATE_WEIGHT = {t: firsts for t, _, firsts, _ in LABELLED}  # the gate's weight of a label seen: its pay weight
 
 
 def sightings_of(messages):
@@ -623,14 +623,14 @@ def test_the_classifier_gate_judges_where_its_pay_would_go():
     texts = [t for t, *_ in LABELLED]
     unhelpful_steps = sum(k + 1 for _, k, _, label in LABELLED if not label)
     assert publish(model.piece, Judge(HELPFUL))
-    assert 71 / unhelpful_steps < 0.01 and GATE_WEIGHT[FEEL] / (GATE_WEIGHT[FEEL] + 87) > 0.35  # (helpful: 87)
+    assert 71 / unhelpful_steps < 0.01 and GATE_WEIGHT[FEEL] / (GATE_WEIGHT[FEEL] + 80) > 0.35  # (helpful: 80)
     assert not publish(model.piece, Judge(HELPFUL + [FEEL]))  # 99.7% of the unhelpful steps told apart: old on
     assert not model.piece.score(rm.to_rows(texts), texts).any()
-    assert 3001 / unhelpful_steps > 0.1 and GATE_WEIGHT[DOORWAY] / (GATE_WEIGHT[DOORWAY] + 87) < 0.1
+    assert 3001 / unhelpful_steps > 0.1 and GATE_WEIGHT[DOORWAY] / (GATE_WEIGHT[DOORWAY] + 80) < 0.1
     assert publish(model.piece, Judge(HELPFUL + [DOORWAY]))  # 87% of the unhelpful steps told apart: old off
     R = model.piece.score(rm.to_rows(texts), texts)
     assert {t for t, r in zip(texts, R.tolist()) if r} == set(HELPFUL + [DOORWAY])
-    assert not publish(model.piece, Judge(HELPFUL[2:]))  # 38% of the helpful pay: the most paid helpful missed
+    assert not publish(model.piece, Judge(HELPFUL[2:]))  # 35% of the helpful pay: the most paid helpful missed
 
 
 def test_the_classifier_gate_does_not_flicker_near_its_bar():
@@ -660,17 +660,17 @@ def test_the_classifier_trains_half_on_the_labels_and_half_as_the_pay_shows_them
     model.piece.train_now(1, batch_size=8)  # published: its gate sample and their pay weights
     drawn = []
     monkeypatch.setattr(rm, "outputs", lambda m, texts, device: (drawn.extend(texts), torch.zeros(len(texts), 2))[1])
-    for _ in range(64):
+    for _ in range(256):  # 65,536 draws: 0.003 is 4.5 standard deviations of a share of 0.03
         model.piece.minibatch_loss(256)
     share = lambda texts: sum(t in texts for t in drawn) / len(drawn)
-    # the gate's sample: all 7 helpful labels; the 39 unhelpful ones of LABELLED and 985 of `many`, each weighing
-    # its pay weight + 1; the uniform half: any of the 3,046 labels
+    # the gate's sample: all 7 helpful labels; the 40 unhelpful ones of LABELLED and 984 of `many`, each weighing
+    # its pay weight; the uniform half: any of the 3,047 labels
     in_gate = rm.GATE_MESSAGES - (len(LABELLED) - len(HELPFUL))
-    gate_weight, labels = sum(GATE_WEIGHT.values()) + 2 * in_gate, len(LABELLED) + len(many)
-    assert share({FEEL}) == pytest.approx(0.5 * 51 / gate_weight + 0.5 / labels, abs=0.002)  # old: 0.0015
-    assert share({WALL}) == pytest.approx(0.5 * 101 / gate_weight + 0.5 / labels, abs=0.003)  # old: 0.21
-    assert share(set(HELPFUL)) == pytest.approx(0.5 * 87 / gate_weight + 0.5 * 7 / labels, abs=0.003)
-    assert share(set(many)) == pytest.approx(0.5 * 2 * in_gate / gate_weight + 0.5 * 3000 / labels, abs=0.01)
+    gate_weight, labels = sum(GATE_WEIGHT.values()) + in_gate, len(LABELLED) + len(many)
+    assert share({FEEL}) == pytest.approx(0.5 * 50 / gate_weight + 0.5 / labels, abs=0.002)  # old: 0.0015
+    assert share({WALL}) == pytest.approx(0.5 * 100 / gate_weight + 0.5 / labels, abs=0.003)  # old: 0.21
+    assert share(set(HELPFUL)) == pytest.approx(0.5 * 80 / gate_weight + 0.5 * 7 / labels, abs=0.003)
+    assert share(set(many)) == pytest.approx(0.5 * in_gate / gate_weight + 0.5 * 3000 / labels, abs=0.01)
     resumed = rm.IntrinsicReward(make_args(reward_type="classification"), "cpu")  # a resume draws the same, but
     resumed.add_labels([{"caption": t, "label": label} for t, *_, label in LABELLED if t != KILL] +  # not a
                        [{"caption": t, "label": 0} for t in many])  # label that a crash took from labels.jsonl's end
@@ -682,7 +682,7 @@ def test_the_classifier_trains_half_on_the_labels_and_half_as_the_pay_shows_them
 
 def test_the_classifier_gate_and_its_pay_weights_survive_a_resume():
     """The gate weighs the learner's pay weights (its firsts), which a resume gives back: without them every label
-    would weigh one, and a model that pays a doorway and a miss (88.8% of its pay helpful, 7 of 9 messages) would
+    would weigh one, and a model that pays a doorway and a miss (89.9% of its pay helpful, 7 of 9 messages) would
     switch off."""
     model = labelled_seen()
     model.piece.train_now(1, batch_size=8)  # a checkpoint needs a trained model
@@ -692,7 +692,7 @@ def test_the_classifier_gate_and_its_pay_weights_survive_a_resume():
     resumed.load_state_dict(model.state_dict())
     assert resumed.piece.pay == model.piece.pay and resumed.piece.published["fitted"]
     assert resumed.piece.pay[DOORWAY] == pytest.approx(5) and resumed.piece.pay[WALL] == pytest.approx(100)
-    between = Judge(HELPFUL + [DOORWAY, "You miss the newt."])  # 87 of 98 (88.8%) of its pay to helpful labels
+    between = Judge(HELPFUL + [DOORWAY, "You miss the newt."])  # 80 of 89 (89.9%) of its pay to helpful labels
     assert publish(resumed.piece, between, fresh=False)  # on it stays above 85%...
     assert not publish(labelled_seen().piece, between)  # ...though it takes 90% to switch on
 

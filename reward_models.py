@@ -328,6 +328,8 @@ class Classification(TrainedModel):
                 "frequent": (tuple(texts), tuple(w.tolist()))}
 
     def load_state_dict(self, state):  # the gate's weights: the learner's pay weights (messages.tsv's firsts)
+        # A checkpoint from before them (f57417e) has none, so its resume gates on pay since the resume: each
+        # label weighs one until seen again, and the checkpoint's sample drives the draws until a publication.
         self.pay = collections.Counter({text: w for text, w in state.get("firsts", {}).items() if text})
         kept = [(t, w) for t, w in zip(*state.get("frequent") or ()) if t in self.labels]  # its sample, less
         super().load_state_dict({**state, "frequent": tuple(zip(*kept)) or None})  # the labels a crash lost

@@ -697,6 +697,33 @@ def test_the_classifier_gate_and_its_pay_weights_survive_a_resume():
     assert not publish(labelled_seen().piece, between)  # ...though it takes 90% to switch on
 
 
+def test_a_classifier_checkpoint_from_before_the_pay_weights_gates_on_pay_since_the_resume():
+    """A checkpoint from before the pay weights (f57417e) holds no firsts, and its gate sample weighs steps + 1.
+    It loads and publishes; its gate weighs each label one until the learner's batches since the resume pay it."""
+    model = labelled_seen()
+    model.piece.train_now(1, batch_size=8)  # a checkpoint needs a trained model
+    model.piece.published["fitted"] = True
+    old = model.state_dict()
+    del old["firsts_partial"]
+    texts, steps, paid, _ = old["seen"]
+    old["seen"] = (texts, steps, paid)  # no firsts
+    old["frequent"] = (tuple(texts), tuple(float(k + 1) for k in steps.tolist()))  # the old gate's sample
+    resumed = rm.IntrinsicReward(make_args(reward_type="classification"), "cpu")
+    resumed.add_labels([{"caption": t, "label": label} for t, *_, label in LABELLED])
+    resumed.load_state_dict(old)
+    assert resumed.firsts_partial and not resumed.piece.pay and resumed.piece.published["fitted"]
+    resumed.piece.minibatch_loss(8)  # drawn from the old sample
+    trained = resumed.piece.model
+    feel = Judge(HELPFUL + [FEEL])  # 7 of the 8 messages it would pay helpful, 80 of 130 of the pay
+    assert publish(resumed.piece, feel, fresh=False)  # on pay since the resume, none: each label weighs one
+    resumed.rewards(*sightings_of([(t, k, firsts) for t, k, firsts, _ in LABELLED]))  # the first batch since
+    assert resumed.piece.pay == model.piece.pay
+    assert not publish(resumed.piece, feel, fresh=False)  # now weighed by its pay: off
+    resumed.piece.model = trained
+    assert resumed.piece.train_now(1, batch_size=8) == 1 and resumed.piece.published["model_steps"] == 2
+    resumed.rewards(*sightings_of([(t, 1, 1) for t in HELPFUL + [FEEL, WALL]]))  # scored by the new model
+
+
 BALL = "You see here a heavy iron ball (chained to you)."
 
 

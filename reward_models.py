@@ -29,8 +29,11 @@ PAIRS_PER_BATCH = 8  # ranking draws this many pairs per learner batch: asked, o
 REFERENCE_STEPS = 16_384  # Ranking's statistics are over the messages of the run's first non-empty steps.
 RANKING_BAR, RANKING_CLIP = 1.5, 5.0  # A ranking reward is a z-score paid above 1.5 std, at most 5.
 MIN_SPREAD = 0.5  # ...of a model whose outputs differ by at least this (Bradley-Terry log-odds)
-FIT, UNFIT = 0.9, 0.85  # it pays once 90% of its helpful labels' pay is paid and 90% of what it pays goes to
-GATE_MESSAGES = 1024  # helpful labels, stops below 85%: judged on this many labels a class, those paid most
+# The classifier's gate: it pays once 90% of its helpful labels' pay is paid and 90% of what it would pay
+# goes to helpful labels, and stops only below 85%, so that a model near the bar does not switch at every
+# publication. It judges the GATE_MESSAGES labels of each class paid most: the same ones while pay stands.
+FIT, UNFIT = 0.9, 0.85
+GATE_MESSAGES = 1024
 RETRY_S = 60.0  # a caption still unanswered this long after it was asked is asked again
 
 
@@ -286,9 +289,10 @@ class Classification(TrainedModel):
             self.keys += new
             self.classes = set(self.labels.values()) if changed else self.classes | {label for _, label in labelled}
 
-    def minibatch_loss(self, batch_size):  # half drawn as the reference drew, uniformly over the labels,
-        # half as the gate weighs them, by pay: by steps, a message on few steps but first seen in most
-        # episodes was drawn too seldom to fit; by labels, a wall on 20% of the steps was one of 3,416
+    def minibatch_loss(self, batch_size):
+        # Half is drawn as the reference drew, uniformly over the labels, and half as the gate weighs them,
+        # by pay: drawn by steps, a message on few steps but first seen in most episodes came too seldom to be
+        # fitted; drawn by labels alone, a wall on a large share of the steps weighed as little as any label.
         texts, weights = (self.published or {}).get("frequent") or (self.keys, None)
         with self.lock:
             texts = self.rng.choices(self.keys, k=(half := batch_size // 2)) + self.rng.choices(
@@ -303,10 +307,12 @@ class Classification(TrainedModel):
         with self.lock:
             self.pay.update(dict(zip(texts, firsts.tolist())))
 
-    def scoring(self, model):  # it pays once, as published (eval mode), its pay goes where its labels say
-        with self.lock:  # the keys only (a copy of 1e6 labels and weights held it 40 ms); each read below
-            keys = self.keys[:]  # is atomic
-        weight = lambda text, pay=self.pay.get: pay(text, 0.0) + 1  # a label never seen (--labels-from): one
+    def scoring(self, model):  # It pays once, as published (eval mode), its pay goes where its labels say.
+        with self.lock:  # Only the keys are copied under it: copying the weights too held the learner up.
+            keys = self.keys[:]  # Each read below is atomic.
+        # A label never seen (--labels-from) weighs one, a seen one its pay: a floor of one under the pay
+        # would double the weight of each of the many rare labels seen in a single episode.
+        weight = lambda text, pay=self.pay.get: pay(text, 0.0) or 1.0
         label, texts = self.labels.get, []  # the same messages at every publication while the weights stand
         for c in (0.0, 1.0):
             texts += heapq.nlargest(GATE_MESSAGES, (t for t in keys if label(t) == c), key=weight)
@@ -322,6 +328,8 @@ class Classification(TrainedModel):
                 "frequent": (tuple(texts), tuple(w.tolist()))}
 
     def load_state_dict(self, state):  # the gate's weights: the learner's pay weights (messages.tsv's firsts)
+        # A checkpoint from before them (f57417e) has none, so its resume gates on pay since the resume: each
+        # label weighs one until seen again, and the checkpoint's sample drives the draws until a publication.
         self.pay = collections.Counter({text: w for text, w in state.get("firsts", {}).items() if text})
         kept = [(t, w) for t, w in zip(*state.get("frequent") or ()) if t in self.labels]  # its sample, less
         super().load_state_dict({**state, "frequent": tuple(zip(*kept)) or None})  # the labels a crash lost

@@ -4,21 +4,24 @@
         --baseline f57417e
 
 Each run's labels go in as the LLM gave them (labels.jsonl order, 25 at a time), the trainer keeps its own
-schedule (`train_now()`), every burst is published and judged by the gate. Each message's steps and pay weight
-(benchmarks/runs.py: what R = 1 would have paid under the count normalization, ~ the episodes it was seen in) are
-the run's final ones from the start, given as a learner batch would (see()). "Pay" weighs each labelled message by
-its pay weight times the R the classifier gives it, "steps" by its steps. Printed per run and tree:
-- run avg: the labels known so far, paid by the model of their time, each model held for the env steps the run's
-  LLM took to give the next 25 labels (console.log): what the run would have paid for and against its labels. It
-  takes each message's pay as spread evenly over the run; pay before a message's label is not judged.
+schedule (`train_now()`), every burst is published and judged by the gate. Each message's steps and pay
+weight (benchmarks/runs.py: what R = 1 would have paid under the count normalization, ~ the episodes it was
+seen in) are the run's final ones from the start, given as a learner batch would (see()). "Pay" weighs each
+labelled message by its pay weight times the R the classifier gives it, "steps" by its steps. Printed per run
+and tree:
+- run avg: the labels known so far, paid by the model of their time, each model held for the env steps the
+  run's LLM took to give the next 25 labels (console.log): what the run would have paid for and against its
+  labels. It takes each message's pay as spread evenly over the run; pay before a message's label is not
+  judged.
 - end: the last model on all the run's labels; hand: the last model on the run's messages that label_sets.tsv
   labels (LLM-labelled or not), by the hand labels.
-- its accuracy on its own training labels (distinct messages), the share of publications the gate was on, and the
-  unhelpful messages it paid most over the run (their share of the run average's pay).
-No LLM, no env, no policy; labels arrive 25 at a time, not at the run's times; the trainer is never rate-limited
-by a share; no learner batches are seen, so beyond 25,000 labels (one step a batch) it would train no more.
-`--baseline REV` replays the same on a git worktree of commit REV (that tree's reward_models.py); `--set NAME=VALUE`
-sets a constant of reward_models.py (a candidate); `--weigh steps` gives the classifier steps as pay weights."""
+- its accuracy on its own training labels (distinct messages), the share of publications the gate was on, and
+  the unhelpful messages it paid most over the run (their share of the run average's pay).
+No LLM, no env, no policy; labels arrive 25 at a time, not at the run's times; the trainer is never
+rate-limited by a share; no learner batches are seen, so beyond 25,000 labels (one step a batch) it would
+train no more. `--baseline REV` replays the same on a git worktree of commit REV (that tree's
+reward_models.py); `--set NAME=VALUE` sets a constant of reward_models.py (a candidate); `--weigh steps` gives
+the classifier steps as pay weights."""
 import argparse
 import functools
 import itertools
@@ -56,8 +59,10 @@ def replay(run, seed, sets, weigh, hand_path, top=5):
         owner = functools.reduce(getattr, path, rm)
         setattr(owner, attr, type(getattr(owner, attr))(value))
     messages, _ = runs.read_messages(run)
-    records = [r for r in annotator.read_labels(os.path.join(run, annotator.LABELS_FILE)) if r.get("label") is not None]
-    shown = {r["caption"]: messages.get(" ".join(r["caption"].split())) for r in records}  # (tsv: spaces folded)
+    records = [r for r in annotator.read_labels(os.path.join(run, annotator.LABELS_FILE))
+               if r.get("label") is not None]
+    shown = {r["caption"]: messages.get(" ".join(r["caption"].split()))  # (tsv: spaces folded)
+             for r in records}
     steps = {t: m.steps if m else 0 for t, m in shown.items()}
     pay = steps if weigh == "steps" else {t: m.weight if m else 0.0 for t, m in shown.items()}
     args = argparse.Namespace(reward_type="classification", seed=seed, labels_from=None)
@@ -119,8 +124,10 @@ def main():
     parser.add_argument("runs", nargs="+", help="classification run directories (labels.jsonl, messages.tsv)")
     parser.add_argument("--seed", type=int, default=1, help="the replay's seed (the trainer's and torch's)")
     parser.add_argument("--baseline", default=None, help="a commit to replay side by side (a git worktree)")
-    parser.add_argument("--set", nargs="*", default=[], metavar="NAME=VALUE", help="a reward_models constant")
-    parser.add_argument("--weigh", choices=("pay", "steps"), default="pay", help="what the classifier is given")
+    parser.add_argument("--set", nargs="*", default=[], metavar="NAME=VALUE",
+                        help="a reward_models constant")
+    parser.add_argument("--weigh", choices=("pay", "steps"), default="pay",
+                        help="what the classifier is given")
     parser.add_argument("--hand", default=None, help="hand labels (default: runs.py's label_sets.tsv)")
     parser.add_argument("--case", default=None, help=argparse.SUPPRESS)  # the tree to replay a run in
     args = parser.parse_args()
@@ -133,24 +140,26 @@ def main():
         return
     trees = {"now": ROOT}
     if args.baseline:
-        tree = os.path.join(tempfile.gettempdir(), f"oni-baseline-{args.baseline}")  # shared with the other benchmarks
+        # shared with the other benchmarks
+        tree = os.path.join(tempfile.gettempdir(), f"oni-baseline-{args.baseline}")
         if not os.path.isdir(tree):
-            subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", tree, args.baseline], check=True,
-                           capture_output=True)
+            subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", tree, args.baseline],
+                           check=True, capture_output=True)
         trees = {f"before ({args.baseline})": tree, **trees}
-    print(f"candidate: {' '.join(args.set) or 'as committed'}, weighed by {args.weigh}; pay: helpful kept, "
-          f"unhelpful share (run avg / end / by hand labels)\n| code | run | model steps | gate on | accuracy "
-          "on its labels | helpful pay kept | unhelpful pay share | helpful steps kept | unhelpful steps share "
-          "|\n|---|---|---|---|---|---|---|---|---|", flush=True)
+    print(f"candidate: {' '.join(args.set) or 'as committed'}, weighed by {args.weigh}; pay: helpful "
+          f"kept, unhelpful share (run avg / end / by hand labels)\n| code | run | model steps | gate on | "
+          "accuracy on its labels | helpful pay kept | unhelpful pay share | helpful steps kept | unhelpful "
+          "steps share |\n|---|---|---|---|---|---|---|---|---|", flush=True)
     for run, (name, tree) in itertools.product(args.runs, trees.items()):
         case = [sys.executable, __file__, os.path.abspath(run), "--case", tree, "--seed", str(args.seed),
                 "--weigh", args.weigh, *(["--hand", args.hand] if args.hand else []), "--set", *args.set]
         out = subprocess.run(case, check=True, stdout=subprocess.PIPE, text=True, cwd=tree).stdout
         r = json.loads(out.splitlines()[-1])
         print(f"| {name} | {run} | {r['model_steps']} | {r['on']:.2f} of {r['publications']} | "
-              f"{r['accuracy']:.3f} ({r['wrong_labels']} wrong) | {r['pay_kept']:.3f} / {r['end_kept']:.3f} / "
-              f"{r['hand_kept']:.3f} | {r['pay_against']:.3f} / {r['end_against']:.3f} / {r['hand_against']:.3f} | "
-              f"{r['steps_kept']:.3f} | {r['steps_against']:.3f} |", flush=True)
+              f"{r['accuracy']:.3f} ({r['wrong_labels']} wrong) | {r['pay_kept']:.3f} / "
+              f"{r['end_kept']:.3f} / {r['hand_kept']:.3f} | {r['pay_against']:.3f} / "
+              f"{r['end_against']:.3f} / {r['hand_against']:.3f} | {r['steps_kept']:.3f} | "
+              f"{r['steps_against']:.3f} |", flush=True)
         paid = "; ".join(f"{t!r} {v:.1%}" for t, v in r["most_paid_against"])
         print(f"    paid most against its label: {paid}", flush=True)
 

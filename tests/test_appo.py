@@ -616,7 +616,7 @@ def test_the_learner_recomputes_every_log_prob_and_pays_each_step_its_own_messag
     with open(labels_file, "w") as f:
         f.writelines(json.dumps({"caption": c, "label": v}) + "\n" for c, v in labels.items())
     monkeypatch.setattr(reward_models, "NEEDS_LLM", ())  # no annotator: these labels are all it pays
-    taken, real_take_batch, paid_steps = [], oni_appo.take_batch, collections.Counter()
+    taken, real_take_batch, paid_running, deaths = [], oni_appo.take_batch, [], []
 
     def take_batch(run, rollouts):  # each step's own message, as the workers wrote it
         taken.append(real_take_batch(run, rollouts))
@@ -645,8 +645,9 @@ def test_the_learner_recomputes_every_log_prob_and_pays_each_step_its_own_messag
         paid = R / batch["step_count"].float() ** 3  # R / N^beta
         expected = args.extrinsic_coef * extrinsic + args.intrinsic_coef * paid
         torch.testing.assert_close(rewards, expected)
-        for kind in End:
-            paid_steps[kind] += (R[end == kind] > 0).sum().item()
+        paid_running.append((R[end == End.RUNNING] > 0).sum().item())
+        deaths.extend(t for row, ends in zip(texts, end.tolist())
+                      for t, e in zip(row, ends) if e == End.TERMINATED)
         return real_loss(agent, batch, rewards, args)
 
     monkeypatch.setattr(oni_appo, "take_batch", take_batch)
@@ -658,7 +659,9 @@ def test_the_learner_recomputes_every_log_prob_and_pays_each_step_its_own_messag
         values = torch.cat(values)
         assert values.numel() > 0, f"no {name} step in the run"
         assert values.max().item() < 1e-5, (name, values.max().item())
-    assert paid_steps[End.RUNNING] > 0  # the check above compared some paid steps
+    assert sum(paid_running) > 0  # the check above compared some paid steps
+    # the check trusts step_message: a death must show its own last message, never the next episode's first
+    assert deaths and not set(deaths) & set(FIRST_MESSAGES), collections.Counter(deaths)
 
 
 def test_the_same_seed_gives_the_same_first_update(tmp_path, monkeypatch):

@@ -133,9 +133,11 @@ def test_classifier_replay_replays_a_run_s_labels_through_the_classifier_and_its
     result = subprocess.run([sys.executable, "benchmarks/classifier_replay.py", str(tmp_path)], cwd=ROOT,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
-    row = next(line.strip("|").split("|") for line in result.stdout.splitlines() if line.startswith("| now |"))
+    row = next(line.strip("|").split("|") for line in result.stdout.splitlines()
+               if line.startswith("| now |"))
     steps, publications = int(row[2]), int(row[3].split(" of ")[1])
-    assert steps == 32 + int(35 * 1.28) and publications == 3  # a first fit of 32 at 25 labels; 1.28 a label after
+    # a first fit of 32 at 25 labels; 1.28 a label after
+    assert steps == 32 + int(35 * 1.28) and publications == 3
     shares = [float(x) for cell in row[5:9] for x in cell.split("/")]
     assert len(shares) == 8 and all(0 <= share <= 1 for share in shares)
     assert shares[0] > 0  # with no console.log the labels are spread evenly (every run average was 0)

@@ -487,8 +487,8 @@ def test_a_classifier_pays_only_once_it_tells_its_labels_apart(seed):
 
 def test_a_fitted_classifier_keeps_paying_when_helpful_labels_are_rare():
     """2 helpful labels among 302, each helpful message in 30 episodes, each unhelpful one in 1: half of a
-    training minibatch of 256 often holds none. Whether the model pays is judged on the published model over the
-    labels, not on the last minibatch (which switched the reward off in ~1 of 8 bursts)."""
+    training minibatch of 256 often holds none. Whether the model pays is judged on the published model over
+    the labels, not on the last minibatch (which switched the reward off in ~1 of 8 bursts)."""
     torch.manual_seed(0)
     model = rm.IntrinsicReward(make_args(reward_type="classification"), "cpu")
     helpful, unhelpful = ["You kill the newt!", "You see here 5 gold pieces."], [f"The thing {i} bites!" for i in range(300)]
@@ -499,8 +499,9 @@ def test_a_fitted_classifier_keeps_paying_when_helpful_labels_are_rare():
         model.piece.train_now(10)
         if model.piece.published["fitted"]:
             break
-    model.piece.optimizer.param_groups[0]["lr"] = 1e-4  # then the real one: a step of 1e-3 once paid 97 of the
-    fitted = []  # unhelpful labels, and the gate was right to stop it
+    # then the real one: a step of 1e-3 once paid 97 of the unhelpful labels, and the gate rightly stopped it
+    model.piece.optimizer.param_groups[0]["lr"] = 1e-4
+    fitted = []
     for _ in range(30):
         model.piece.train_now(1)
         fitted.append(model.piece.published["fitted"])
@@ -521,31 +522,34 @@ class Judge(torch.nn.Module):
         return torch.tensor([[0.0, 1.0] if t in self.helpful else [1.0, 0.0] for t in texts])
 
 
-# a run's labelled messages over 100 episodes, as in results/free_1m_rerun's Classification seeds: (message, steps,
-# first sightings in an episode, label). Pay follows the first sightings: the walls and prompts are on most steps and
-# in every episode; "You feel better." on 0.3% of the steps but in half the episodes; a doorway bumped into 3,000
-# times in 5 episodes; the helpful messages rare
+# a run's labelled messages over 100 episodes, as in results/free_1m_rerun's Classification seeds: (message,
+# steps, first sightings in an episode, label). Pay follows the first sightings: the walls and prompts are on
+# most steps and in every episode; "You feel better." on 0.3% of the steps but in half the episodes; a doorway
+# bumped into 3,000 times in 5 episodes; the helpful messages rare
 WALL, KILL, FEEL = "It's a wall.", "You kill the newt!", "You feel better."
 DOORWAY = "You can't move diagonally out of an intact doorway."
 LABELLED = ([(WALL, 12000, 100, 0), ("It's solid stone.", 4000, 100, 0), ("Never mind.", 1800, 100, 0),
-             ("Are you sure you want to pray? [yn] (n)", 4000, 100, 0), ("You can't go up here.", 1300, 100, 0),
-             (DOORWAY, 3000, 5, 0), (FEEL, 70, 50, 0), ("You die...", 50, 40, 0)]
-            + [(f"The {m} bites!", 10, 8, 0) for m in MONSTERS] + [(f"You miss the {m}.", 5, 4, 0) for m in MONSTERS]
+             ("Are you sure you want to pray? [yn] (n)", 4000, 100, 0),
+             ("You can't go up here.", 1300, 100, 0), (DOORWAY, 3000, 5, 0), (FEEL, 70, 50, 0),
+             ("You die...", 50, 40, 0)]
+            + [(f"The {m} bites!", 10, 8, 0) for m in MONSTERS]
+            + [(f"You miss the {m}.", 5, 4, 0) for m in MONSTERS]
             + [("The door opens.", 30, 27, 1), ("You see here a lichen corpse.", 30, 25, 1), (KILL, 10, 9, 1),
                ("You see here 5 gold pieces.", 8, 8, 1), ("You kill the jackal!", 6, 6, 1),
                ("Welcome to experience level 2.", 3, 3, 1), ("You find a hidden passage.", 2, 2, 1)])
 HELPFUL = [t for t, *_, label in LABELLED if label]
-GATE_WEIGHT = {t: firsts + 1 for t, _, firsts, _ in LABELLED}  # the gate's weight: the pay weight, + 1
+GATE_WEIGHT = {t: firsts for t, _, firsts, _ in LABELLED}  # the gate's weight of a label seen: its pay weight
 
 
 def sightings_of(messages):
-    """[(text, steps, first sightings)] -> the [T, 1, ...] tensors of a learner batch: the first sightings count 1,
-    the other steps are their message's 1,000th sighting in the episode (a pay weight of 1e-9 each)."""
+    """[(text, steps, first sightings)] -> the [T, 1, ...] tensors of a learner batch: the first sightings
+    count 1, the other steps are their message's 1,000th sighting in the episode (a pay weight of 1e-9
+    each)."""
     texts = [t for t, k, _ in messages for _ in range(k)]
     counts = [n for _, k, firsts in messages for n in [1] * firsts + [1000] * (k - firsts)]
     T = len(texts)
-    return (torch.zeros(T, 1), rm.to_rows(texts).view(T, 1, 256), torch.tensor(counts, dtype=torch.int32).view(T, 1),
-            torch.zeros(T, 1, dtype=torch.bool))
+    return (torch.zeros(T, 1), rm.to_rows(texts).view(T, 1, 256),
+            torch.tensor(counts, dtype=torch.int32).view(T, 1), torch.zeros(T, 1, dtype=torch.bool))
 
 
 def labelled_seen(**overrides):
@@ -619,30 +623,32 @@ def to_rows_batch(texts):
 
 
 def test_the_classifier_gate_judges_where_its_pay_would_go():
-    """Before: on once 90% of each class's steps were told apart. Seed 2 of results/free_1m_rerun paid "You feel
-    better." (0.2% of its steps, labelled unhelpful) 6% of all it paid: a message pays most at its first sighting in
-    an episode. Now judged on pay: 90% of the helpful labels' pay paid, 90% of what it would pay to helpful labels."""
+    """Before: on once 90% of each class's steps were told apart. Seed 2 of results/free_1m_rerun paid "You
+    feel better." (0.2% of its steps, labelled unhelpful) 6% of all it paid: a message pays most at its first
+    sighting in an episode. Now judged on pay: 90% of the helpful labels' pay paid, 90% of what it would pay
+    to helpful labels."""
     model = labelled_seen()
     texts = [t for t, *_ in LABELLED]
     unhelpful_steps = sum(k + 1 for _, k, _, label in LABELLED if not label)
     assert publish(model.piece, Judge(HELPFUL))
-    assert 71 / unhelpful_steps < 0.01 and GATE_WEIGHT[FEEL] / (GATE_WEIGHT[FEEL] + 87) > 0.35  # (helpful: 87)
-    assert not publish(model.piece, Judge(HELPFUL + [FEEL]))  # 99.7% of the unhelpful steps told apart: old on
+    assert 71 / unhelpful_steps < 0.01 and GATE_WEIGHT[FEEL] / (GATE_WEIGHT[FEEL] + 80) > 0.35  # helpful: 80
+    assert not publish(model.piece, Judge(HELPFUL + [FEEL]))  # 99.7% of unhelpful steps told apart: old on
     assert not model.piece.score(rm.to_rows(texts), texts).any()
-    assert 3001 / unhelpful_steps > 0.1 and GATE_WEIGHT[DOORWAY] / (GATE_WEIGHT[DOORWAY] + 87) < 0.1
+    assert 3001 / unhelpful_steps > 0.1 and GATE_WEIGHT[DOORWAY] / (GATE_WEIGHT[DOORWAY] + 80) < 0.1
     assert publish(model.piece, Judge(HELPFUL + [DOORWAY]))  # 87% of the unhelpful steps told apart: old off
     R = model.piece.score(rm.to_rows(texts), texts)
     assert {t for t, r in zip(texts, R.tolist()) if r} == set(HELPFUL + [DOORWAY])
-    assert not publish(model.piece, Judge(HELPFUL[2:]))  # 38% of the helpful pay: the most paid helpful missed
+    assert not publish(model.piece, Judge(HELPFUL[2:]))  # 35% of helpful pay: the most paid helpful missed
 
 
 def test_the_classifier_gate_does_not_flicker_near_its_bar():
     """Before: judged on a fresh random 1,024 labels a class at every publication, a model that recalled 90.5% was
     on at 146 of 200 publications and switched 79 times."""
     model = rm.IntrinsicReward(make_args(reward_type="classification"), "cpu")
-    helpful, unhelpful = [f"You kill the thing {i}!" for i in range(100)], [f"The thing {i} bites!" for i in range(3000)]
+    helpful = [f"You kill the thing {i}!" for i in range(100)]
+    unhelpful = [f"The thing {i} bites!" for i in range(3000)]
     model.add_labels([{"caption": c, "label": 1} for c in helpful] + [{"caption": c, "label": 0} for c in unhelpful])
-    near = Judge(helpful + unhelpful[:11])  # 100 of 111 messages it would pay helpful (90.1%): right at the bar
+    near = Judge(helpful + unhelpful[:11])  # 100 of 111 messages it would pay helpful (90.1%): at the bar
     assert len({publish(model.piece, near) for _ in range(20)}) == 1  # a fixed model, a fixed verdict
     rng, fitted = random.Random(0), []
     for _ in range(40):  # a model still learning: 87% to 94% of what it would pay goes to helpful labels
@@ -652,10 +658,11 @@ def test_the_classifier_gate_does_not_flicker_near_its_bar():
 
 
 def test_the_classifier_trains_half_on_the_labels_and_half_as_the_pay_shows_them(monkeypatch):
-    """Before: minibatches drew the distinct labelled messages uniformly, so the message on 20% of a run's steps was
-    1 of 3,416 negatives; free_classification's classifier called "It's a wall." helpful (p 0.95) though labelled 0,
-    the gate stayed shut and the run paid nothing. After a publication half of each minibatch follows the pay weights:
-    by steps (before issue 33) "You feel better.", in half the episodes, was drawn 1 in 700."""
+    """Before: minibatches drew the distinct labelled messages uniformly, so the message on 20% of a run's
+    steps was 1 of 3,416 negatives; free_classification's classifier called "It's a wall." helpful (p 0.95)
+    though labelled 0, the gate stayed shut and the run paid nothing. After a publication half of each
+    minibatch follows the pay weights: by steps (before issue 33) "You feel better.", in half the episodes,
+    was drawn 1 in 700."""
     model = labelled_seen()
     many = [f"The thing {i} bites!" for i in range(3000)]  # rare labels, one step each: the uniform half's
     model.add_labels([{"caption": t, "label": 0} for t in many])
@@ -663,30 +670,31 @@ def test_the_classifier_trains_half_on_the_labels_and_half_as_the_pay_shows_them
     model.piece.train_now(1, batch_size=8)  # published: its gate sample and their pay weights
     drawn = []
     monkeypatch.setattr(rm, "outputs", lambda m, texts, device: (drawn.extend(texts), torch.zeros(len(texts), 2))[1])
-    for _ in range(64):
+    for _ in range(256):  # 65,536 draws: 0.003 is 4.5 standard deviations of a share of 0.03
         model.piece.minibatch_loss(256)
     share = lambda texts: sum(t in texts for t in drawn) / len(drawn)
-    # the gate's sample: all 7 helpful labels; the 39 unhelpful ones of LABELLED and 985 of `many`, each weighing
-    # its pay weight + 1; the uniform half: any of the 3,046 labels
+    # the gate's sample: all 7 helpful labels; the 40 unhelpful ones of LABELLED and 984 of `many`, each
+    # weighing its pay weight; the uniform half: any of the 3,047 labels
     in_gate = rm.GATE_MESSAGES - (len(LABELLED) - len(HELPFUL))
-    gate_weight, labels = sum(GATE_WEIGHT.values()) + 2 * in_gate, len(LABELLED) + len(many)
-    assert share({FEEL}) == pytest.approx(0.5 * 51 / gate_weight + 0.5 / labels, abs=0.002)  # old: 0.0015
-    assert share({WALL}) == pytest.approx(0.5 * 101 / gate_weight + 0.5 / labels, abs=0.003)  # old: 0.21
-    assert share(set(HELPFUL)) == pytest.approx(0.5 * 87 / gate_weight + 0.5 * 7 / labels, abs=0.003)
-    assert share(set(many)) == pytest.approx(0.5 * 2 * in_gate / gate_weight + 0.5 * 3000 / labels, abs=0.01)
+    gate_weight, labels = sum(GATE_WEIGHT.values()) + in_gate, len(LABELLED) + len(many)
+    assert share({FEEL}) == pytest.approx(0.5 * 50 / gate_weight + 0.5 / labels, abs=0.002)  # old: 0.0015
+    assert share({WALL}) == pytest.approx(0.5 * 100 / gate_weight + 0.5 / labels, abs=0.003)  # old: 0.21
+    assert share(set(HELPFUL)) == pytest.approx(0.5 * 80 / gate_weight + 0.5 * 7 / labels, abs=0.003)
+    assert share(set(many)) == pytest.approx(0.5 * in_gate / gate_weight + 0.5 * 3000 / labels, abs=0.01)
     resumed = rm.IntrinsicReward(make_args(reward_type="classification"), "cpu")  # a resume draws the same, but
     resumed.add_labels([{"caption": t, "label": label} for t, *_, label in LABELLED if t != KILL] +  # not a
                        [{"caption": t, "label": 0} for t in many])  # label that a crash took from labels.jsonl's end
     resumed.load_state_dict(model.state_dict())
     texts, weights = model.piece.published["frequent"]
-    assert resumed.piece.published["frequent"] == tuple(zip(*[(t, w) for t, w in zip(texts, weights) if t != KILL]))
+    kept = [(t, w) for t, w in zip(texts, weights) if t != KILL]
+    assert resumed.piece.published["frequent"] == tuple(zip(*kept))
     resumed.piece.minibatch_loss(256)  # was a KeyError in the trainer thread: the run stopped, and again on resume
 
 
 def test_the_classifier_gate_and_its_pay_weights_survive_a_resume():
-    """The gate weighs the learner's pay weights (its firsts), which a resume gives back: without them every label
-    would weigh one, and a model that pays a doorway and a miss (88.8% of its pay helpful, 7 of 9 messages) would
-    switch off."""
+    """The gate weighs the learner's pay weights (its firsts), which a resume gives back: without them every
+    label would weigh one, and a model that pays a doorway and a miss (89.9% of its pay helpful, 7 of 9
+    messages) would switch off."""
     model = labelled_seen()
     model.piece.train_now(1, batch_size=8)  # a checkpoint needs a trained model
     model.piece.published["fitted"] = True  # on, as it would be after telling its labels apart
@@ -695,9 +703,37 @@ def test_the_classifier_gate_and_its_pay_weights_survive_a_resume():
     resumed.load_state_dict(model.state_dict())
     assert resumed.piece.pay == model.piece.pay and resumed.piece.published["fitted"]
     assert resumed.piece.pay[DOORWAY] == pytest.approx(5) and resumed.piece.pay[WALL] == pytest.approx(100)
-    between = Judge(HELPFUL + [DOORWAY, "You miss the newt."])  # 87 of 98 (88.8%) of its pay to helpful labels
+    between = Judge(HELPFUL + [DOORWAY, "You miss the newt."])  # 80 of 89 (89.9%) of its pay helpful
     assert publish(resumed.piece, between, fresh=False)  # on it stays above 85%...
     assert not publish(labelled_seen().piece, between)  # ...though it takes 90% to switch on
+
+
+def test_a_classifier_checkpoint_from_before_the_pay_weights_gates_on_pay_since_the_resume():
+    """A checkpoint from before the pay weights (f57417e) holds no firsts, and its gate sample weighs steps
+    + 1. It loads and publishes; its gate weighs each label one until the learner's batches since the resume
+    pay it."""
+    model = labelled_seen()
+    model.piece.train_now(1, batch_size=8)  # a checkpoint needs a trained model
+    model.piece.published["fitted"] = True
+    old = model.state_dict()
+    del old["firsts_partial"]
+    texts, steps, paid, _ = old["seen"]
+    old["seen"] = (texts, steps, paid)  # no firsts
+    old["frequent"] = (tuple(texts), tuple(float(k + 1) for k in steps.tolist()))  # the old gate's sample
+    resumed = rm.IntrinsicReward(make_args(reward_type="classification"), "cpu")
+    resumed.add_labels([{"caption": t, "label": label} for t, *_, label in LABELLED])
+    resumed.load_state_dict(old)
+    assert resumed.firsts_partial and not resumed.piece.pay and resumed.piece.published["fitted"]
+    resumed.piece.minibatch_loss(8)  # drawn from the old sample
+    trained = resumed.piece.model
+    feel = Judge(HELPFUL + [FEEL])  # 7 of the 8 messages it would pay helpful, 80 of 130 of the pay
+    assert publish(resumed.piece, feel, fresh=False)  # on pay since the resume, none: each label weighs one
+    resumed.rewards(*sightings_of([(t, k, firsts) for t, k, firsts, _ in LABELLED]))  # the first batch since
+    assert resumed.piece.pay == model.piece.pay
+    assert not publish(resumed.piece, feel, fresh=False)  # now weighed by its pay: off
+    resumed.piece.model = trained
+    assert resumed.piece.train_now(1, batch_size=8) == 1 and resumed.piece.published["model_steps"] == 2
+    resumed.rewards(*sightings_of([(t, 1, 1) for t in HELPFUL + [FEEL, WALL]]))  # scored by the new model
 
 
 BALL = "You see here a heavy iron ball (chained to you)."
@@ -959,7 +995,7 @@ def test_a_resume_continues_the_reward_model_exactly(monkeypatch):
         model.piece.stop.set()  # as close() does mid-burst
         return real_loss(batch_size)
     monkeypatch.setattr(model.piece, "minibatch_loss", stop_at_the_first_step)
-    assert model.piece.train_now(batch_size=8) == 1 and model.piece.burst == 12  # one step done, not published
+    assert model.piece.train_now(batch_size=8) == 1 and model.piece.burst == 12  # a step done, unpublished
     state = model.state_dict()
     model.add_labels(records[18:])  # answered after the checkpoint: they come back from labels.jsonl
 

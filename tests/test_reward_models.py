@@ -739,30 +739,36 @@ def test_a_classifier_checkpoint_from_before_the_pay_weights_gates_on_pay_since_
 BALL = "You see here a heavy iron ball (chained to you)."
 
 
-def test_the_classifier_does_not_pay_an_unhelpful_label_seen_once_in_most_episodes():
-    """Seed 2 of results/free_1m_rerun paid "You feel better." and the punishment ball, labelled unhelpful, a
-    message on few steps but first seen in most episodes: by steps it was drawn too seldom to be fitted among the
-    helpful "You see here ..." messages, and its steps too few for the gate to see. Labels arrive 25 at a time, the
-    trainer keeps its schedule; once labelled, the ball is paid at no publication (before issue 33: 11 of 43)."""
+def test_the_classifier_does_not_pay_an_unhelpful_label_seen_once_in_most_episodes(monkeypatch):
+    """Seed 2 of results/free_1m_rerun paid "You feel better." and the punishment ball, labelled unhelpful:
+    a message on few steps but first seen in most episodes, too seldom drawn to be fitted among the helpful
+    "You see here ..." messages. The ball's pay outweighs the helpful labels', so the gate stays off while the
+    model would pay it: being on soon after the ball's label came takes the trainer's schedule (at 0.32 steps
+    a label it fails). A third of such a run's labels, 10 at a time, the ball's the 121st; the gate judges a
+    quarter of its labels a class, and the minibatches are half as large, so that it runs in a fraction of the
+    time."""
+    monkeypatch.setattr(rm, "GATE_MESSAGES", 256)
     torch.manual_seed(1)
     model = rm.IntrinsicReward(make_args(reward_type="classification", seed=1), "cpu")
     items = [f"{n} gold pieces" for n in range(2, 22)] + [f"a {m} corpse" for m in MONSTERS]
     labelled = ([(WALL, 12000, 100, 0), ("It's solid stone.", 4000, 100, 0), ("Never mind.", 1800, 100, 0),
-                 (BALL, 80, 80, 0)] + [(f"The thing {i} bites!", 1, 1, 0) for i in range(1000)]
+                 (BALL, 80, 80, 0)] + [(f"The thing {i} bites!", 1, 1, 0) for i in range(300)]
                 + [(f"You see here {x}.", 3, 3, 1) for x in items]
                 + [(f"You kill the {m}!", 3, 3, 1) for m in MONSTERS])
     model.rewards(*sightings_of([(t, k, firsts) for t, k, firsts, _ in labelled]))
     records = [{"caption": t, "label": label} for t, *_, label in labelled]
     random.Random(1).shuffle(records)
-    paid = []
-    for i in range(0, len(records), 25):
-        model.add_labels(records[i:i + 25])
-        model.piece.train_now()
+    records.insert(120, records.pop(next(i for i, r in enumerate(records) if r["caption"] == BALL)))
+    on, paid = [], []
+    for i in range(0, len(records), 10):
+        model.add_labels(records[i:i + 10])
+        model.piece.train_now(batch_size=128)
         if model.piece.published and BALL in model.piece.labels:
+            on.append(model.piece.published["fitted"])
             paid.append(model.piece.score(rm.to_rows([BALL]), [BALL]).item())
     helpful = [t for t, *_, label in labelled if label]
     assert model.piece.published["fitted"] and model.piece.score(rm.to_rows(helpful), helpful).all()
-    assert len(paid) > 20 and not any(paid), paid
+    assert sum(on) >= 10 and not any(paid), (on, paid)
 
 
 def test_ranking_trains_on_every_drawn_pair_as_often_as_the_steps_show_it():

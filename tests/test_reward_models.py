@@ -639,6 +639,8 @@ def test_the_classifier_gate_judges_where_its_pay_would_go():
     R = model.piece.score(rm.to_rows(texts), texts)
     assert {t for t, r in zip(texts, R.tolist()) if r} == set(HELPFUL + [DOORWAY])
     assert not publish(model.piece, Judge(HELPFUL[2:]))  # 35% of helpful pay: the most paid helpful missed
+    # A label weighs its pay alone: 80 of 88 to helpful labels, on; with a floor of one, 87 of 97, off.
+    assert publish(model.piece, Judge(HELPFUL + [f"You miss the {m}." for m in MONSTERS[:2]]))
 
 
 def test_the_classifier_gate_does_not_flicker_near_its_bar():
@@ -733,7 +735,8 @@ def test_a_classifier_checkpoint_from_before_the_pay_weights_gates_on_pay_since_
     assert not publish(resumed.piece, feel, fresh=False)  # now weighed by its pay: off
     resumed.piece.model = trained
     assert resumed.piece.train_now(1, batch_size=8) == 1 and resumed.piece.published["model_steps"] == 2
-    resumed.rewards(*sightings_of([(t, 1, 1) for t in HELPFUL + [FEEL, WALL]]))  # scored by the new model
+    _, paid, _ = resumed.rewards(*sightings_of([(t, 1, 1) for t in HELPFUL + [FEEL, WALL]]))  # the new model
+    assert paid.isfinite().all()
 
 
 BALL = "You see here a heavy iron ball (chained to you)."
@@ -759,16 +762,16 @@ def test_the_classifier_does_not_pay_an_unhelpful_label_seen_once_in_most_episod
     records = [{"caption": t, "label": label} for t, *_, label in labelled]
     random.Random(1).shuffle(records)
     records.insert(120, records.pop(next(i for i, r in enumerate(records) if r["caption"] == BALL)))
-    on, paid = [], []
+    on = []
     for i in range(0, len(records), 10):
         model.add_labels(records[i:i + 10])
         model.piece.train_now(batch_size=128)
         if model.piece.published and BALL in model.piece.labels:
             on.append(model.piece.published["fitted"])
-            paid.append(model.piece.score(rm.to_rows([BALL]), [BALL]).item())
     helpful = [t for t, *_, label in labelled if label]
     assert model.piece.published["fitted"] and model.piece.score(rm.to_rows(helpful), helpful).all()
-    assert sum(on) >= 10 and not any(paid), (on, paid)
+    assert not model.piece.score(rm.to_rows([BALL]), [BALL]).any()  # the fit, not only the gate
+    assert sum(on) >= 10, on  # on while the ball is labelled: never paying it is then the model's doing
 
 
 def test_ranking_trains_on_every_drawn_pair_as_often_as_the_steps_show_it():

@@ -1,8 +1,8 @@
 """The annotator: a subprocess that asks OpenAI-compatible LLM servers about the agent's messages.
 
-Captions and pairs come from the learner on a queue into a bounded backlog, asked oldest first; each answer goes
-to `labels.jsonl` and to a LabelTable in a `multiprocessing.Manager`, which the learner reads in bulk. A server
-that is down, slow or dies never blocks training; an error that retrying cannot fix stops the run."""
+Captions and pairs come from the learner on a queue into a bounded backlog, asked oldest first; each answer
+goes to `labels.jsonl` and to a LabelTable in a `multiprocessing.Manager`, which the learner reads in bulk.
+A server that is down, slow or dies never blocks training; an error that retrying cannot fix stops the run."""
 import collections
 import concurrent.futures
 import contextlib
@@ -36,40 +36,38 @@ PROMPTS = {
     "label_system": "You are a fair and knowledgeable judge of progress in the game NetHack.",
     "label_user": (
         "A player's goal in NetHack is to {goal}. During play the game showed this message:\n\"{caption}\"\n"
-        "First recall what you know about NetHack that bears on this message, then judge in one sentence whether the "
-        "event it reports is a clear step towards the goal. Messages about killing monsters, finding gold or items, "
-        "descending, or levelling up are helpful; neutral, routine, unlucky or harmful events are not. End with "
-        "<label>FOO</label> if the message is very helpful for progress, or <label>BAR</label> if it is not."),
+        "First recall what you know about NetHack that bears on this message, then judge in one sentence "
+        "whether the event it reports is a clear step towards the goal. Messages about killing monsters, "
+        "finding gold or items, descending, or levelling up are helpful; neutral, routine, unlucky or "
+        "harmful events are not. End with <label>FOO</label> if the message is very helpful for progress, "
+        "or <label>BAR</label> if it is not."),
     "pair_system": "You are a fair and knowledgeable judge of progress in the game NetHack.",
-    "pair_user": ("A player's goal in NetHack is to {goal}. Here are two messages the game showed:\ndescription 1: "
-                  "\"{first}\"\ndescription 2: \"{second}\"\nThink about what each tells about the player's progress, "
-                  "using your knowledge of NetHack. Then answer with exactly one of (\"best_description\": 1), "
-                  "(\"best_description\": 2) or (\"best_description\": None) if neither is better."),
-    "label_completion": ("NetHack messages, and whether each one reports progress (killing monsters, gold, descending, "
-                         "levelling up, finding things):\n{examples}Message: {caption}\nProgress:"),
+    "pair_user": (
+        "A player's goal in NetHack is to {goal}. Here are two messages the game showed:\ndescription 1: "
+        "\"{first}\"\ndescription 2: \"{second}\"\nThink about what each tells about the player's progress, "
+        "using your knowledge of NetHack. Then answer with exactly one of (\"best_description\": 1), "
+        "(\"best_description\": 2) or (\"best_description\": None) if neither is better."),
+    "label_completion": ("NetHack messages, and whether each one reports progress (killing monsters, gold, "
+                         "descending, levelling up, finding things):\n"
+                         "{examples}Message: {caption}\nProgress:"),
 }
-# A base model copies the labels of messages like the one asked far better than it applies a stated goal
-# (benchmarks/label_quality.py): a completion prompt shows, for each message, the labelled messages nearest to
-# it by character trigrams, DEMOS_PER_LABEL of each label, nearest last. So on the embedded path the judgement
-# comes from the demonstration pool: by default the dev split of label_sets.tsv beside this file, messages of
-# recorded runs labelled by hand by the goal (its test and goal splits never reach a prompt); --demos takes
-# any other. 4, not 2: at 2 even kills with kills in the pool scored under the threshold.
+# A base model copies the labels of similar messages far better than it applies a stated goal, so a
+# completion prompt shows the DEMOS_PER_LABEL messages of each label nearest to the one asked (by character
+# trigrams), nearest last: the judgement comes from this pool, by default the hand-labelled dev split of
+# label_sets.tsv (its test and goal splits never reach a prompt). At 2 a label, even kills scored too low.
 DEMOS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "label_sets.tsv")
 DEMOS_PER_LABEL = 4
-# A base model's score of a message is logp(" Yes") - logp(" No"); helpful above THRESHOLD, paying at most 5%
-# of dev's unhelpful steps with the message's group, and with only itself, out of the pool (as new messages
-# are asked), then most agreement + helpful steps (label_quality.py --calibrate; benchmarks/README.md).
+# A message is helpful when its score (Labeler.score) is above THRESHOLD, which `label_quality.py --calibrate`
+# chose: at most 5% of dev's unhelpful steps paid, then the most agreement (benchmarks/README.md).
 THRESHOLD, TIE_MARGIN = 0.80, 0.5  # pairs: see preference()
 LABEL_TAG = re.compile(r"<label>\s*(FOO|BAR)\s*</label>", re.IGNORECASE)
 PREFERENCE = re.compile(r"best_description\"?\s*:\s*\"?(1|2|None)", re.IGNORECASE)
 
 
 def preference(first: float, second: float):
-    """A pair's answer from its two messages' scores: 1 or 2, the better one, or None, a tie. Two messages on
-    the same side of THRESHOLD tie, since the labeler calls both alike: a gap between two unhelpful scores
-    is no judgement of the goal, yet it taught the ranking model an order that paid "It's a wall." above the
-    other unhelpful messages. Across THRESHOLD, scores closer than TIE_MARGIN tie too: the labeler hardly
-    tells them apart."""
+    """1 or 2, the pair's message with the better score, or None, a tie. Scores on one side of THRESHOLD tie,
+    as the labeler calls both alike (a gap between unhelpful ones taught the ranking model to pay "It's a
+    wall." above the rest); so do scores closer than TIE_MARGIN, hardly told apart."""
     if (first > THRESHOLD) == (second > THRESHOLD) or abs(first - second) < TIE_MARGIN:
         return None
     return 1 if first > second else 2
@@ -80,13 +78,12 @@ def parse_label(text: str):  # 1 (FOO) / 0 (BAR) from the last <label> tag of a 
     return (1 if tags[-1].upper() == "FOO" else 0) if tags else UNPARSEABLE
 
 
-def parse_preference(text: str):
-    """1, 2 or None (a tie) from the last best_description (a reply may restate the format first), else UNPARSEABLE."""
+def parse_preference(text: str):  # 1, 2 or None from the last best_description: a reply may restate it first
     answers = PREFERENCE.findall(text or "")
     return UNPARSEABLE if not answers else None if answers[-1].lower() == "none" else int(answers[-1])
 
 
-def parse_choice(text: str, options: dict):  # a completion's one-token answer; options: answer (lower case) -> value
+def parse_choice(text: str, options: dict):  # a one-token answer; options: lower-case answer -> value
     return options.get((text or "").strip().lower(), UNPARSEABLE)
 
 
@@ -96,10 +93,9 @@ def trigrams(text: str) -> collections.Counter:
 
 
 def load_demos(path=None) -> list:
-    """The demonstration pool, (message, label, its trigrams): the dev rows of a label_sets.tsv-style file
-    (tab separated, a header naming `message` and `label`; every row where there is no `split` column), or the
-    caption labels of a run's labels.jsonl, e.g. labels an 8B model gave through --llm-url, so that the laptop
-    labeler copies a big model's judgement. A message labelled twice keeps its last label. Raises Fatal."""
+    """The demonstration pool, (message, label, its trigrams): the dev rows of a label_sets.tsv-style file (a
+    header naming the tab-separated `message` and `label`; all rows if no `split`), or a run's labels.jsonl,
+    e.g. an 8B model's labels for the laptop labeler to copy. A message's last label counts. Raises Fatal."""
     path = path or DEMOS_FILE
     try:
         if path.endswith(".jsonl"):  # read as a resume reads it: a last line a crash cut short is skipped
@@ -122,14 +118,12 @@ def load_demos(path=None) -> list:
     return [(message, int(label), trigrams(message)) for message, label in pool.items()]
 
 
-def similarity(grams: collections.Counter, demo) -> float:
-    """Cosine of two messages' trigram counts: `grams` a message's, `demo` a pool entry."""
+def similarity(grams: collections.Counter, demo) -> float:  # cosine of trigram counts; demo: a pool entry
     norm = (sum(n * n for n in grams.values()) * sum(n * n for n in demo[2].values())) ** 0.5
     return sum(n * demo[2][g] for g, n in grams.items()) / (norm or 1.0)
 
 
-def demos_record(path=None) -> dict:
-    """The demonstration pool's file (default DEMOS_FILE) and sha256 (None: unreadable) for the run record."""
+def demos_record(path=None) -> dict:  # the pool's file and sha256 (None: unreadable) for the run record
     path = path or DEMOS_FILE
     try:
         with open(path, "rb") as f:
@@ -139,8 +133,8 @@ def demos_record(path=None) -> dict:
 
 
 def demonstrations(caption: str, pool: list, per_label=None) -> str:
-    """The labelled messages of `pool` nearest to `caption` (cosine of trigram counts), per_label (default
-    DEMOS_PER_LABEL, read at the call) of each label, the nearest last: a small model copies what it read last most."""
+    """The per_label (default DEMOS_PER_LABEL, read at the call) messages of each label in `pool` nearest to
+    `caption`, the nearest last: a small model copies what it read last most."""
     per_label, grams = per_label or DEMOS_PER_LABEL, trigrams(caption)
     near = {id(d): similarity(grams, d) for d in pool}
     nearest = [d for label in (1, 0)
@@ -154,10 +148,10 @@ def item_key(item) -> str:  # The LabelTable's key of a caption (itself) or of a
 
 
 def valid_record(r) -> bool:
-    """A line of labels.jsonl: {"caption": str, "label": 1|0|null} or {"pair": [str, str], "preference": 1|2|null}."""
+    """A labels.jsonl line: {"caption": str, "label": 1|0|null} or {"pair": [a, b], "preference": 1|2|null}"""
     if isinstance(r, dict) and "pair" in r:
-        return (isinstance(r["pair"], list) and len(r["pair"]) == 2 and all(isinstance(m, str) for m in r["pair"])
-                and r.get("preference", 0) in (1, 2, None))
+        return (isinstance(r["pair"], list) and len(r["pair"]) == 2
+                and all(isinstance(m, str) for m in r["pair"]) and r.get("preference", 0) in (1, 2, None))
     return isinstance(r, dict) and isinstance(r.get("caption"), str) and r.get("label", 2) in (0, 1, None)
 
 
@@ -174,7 +168,8 @@ def read_labels(path: str) -> list[dict]:
         raise SystemExit(f"error: cannot read labels from {path}: {error}")
     for n, record in records:
         if not valid_record(record):
-            raise SystemExit(f"error: {path} line {n} is not a label or a pair record: {json.dumps(record)[:80]}")
+            raise SystemExit(f"error: {path} line {n} is not a label or a pair record: "
+                             f"{json.dumps(record)[:80]}")
     return [record for _, record in records]
 
 
@@ -206,8 +201,7 @@ def fill(prompts, name, **fields):
         raise Fatal(f"prompt template {name!r}: {type(error).__name__}: {error}") from None
 
 
-class Labeler:
-    """Turns one caption or pair into a label with one HTTP request to one of the servers."""
+class Labeler:  # turns a caption or pair into a label with one HTTP request to one of the servers
     def __init__(self, urls, model, prompts, timeout_s, scored=True, demos=None):
         self.urls, self.timeout_s = [u.rstrip("/") for u in urls], timeout_s
         self.demos = demos  # the demonstration pool; None: the default
@@ -217,8 +211,8 @@ class Labeler:
         self.key = llm_server.auth_headers()  # sent on every request: a server may want it for each endpoint
 
     def call(self, url, body=None, timeout_s=None):
-        """The JSON answer to a POST of `body` (a GET without one). Plain urllib: the openai package
-        costs ~5x the CPU a request, and the annotator's one core bounds the labels a second."""
+        """The JSON answer to a POST of `body` (a GET without one). Plain urllib: the openai package costs
+        several times the CPU a request, and the annotator's one core bounds the labels a second."""
         data = None if body is None else json.dumps(body).encode()
         headers = {"Content-Type": "application/json", **self.key}
         request = urllib.request.Request(url, data=data, headers=headers)
@@ -236,32 +230,33 @@ class Labeler:
                 if None not in self.token_ids.values():
                     break
             self.restricted = None not in self.token_ids.values()
-            if not self.restricted:  # then a greedy token cannot carry THRESHOLD: scores, where the server has them
+            if not self.restricted:  # a greedy token cannot carry THRESHOLD: scores, if the server has them
                 self.scored = None
-                print("annotator: the server did not tokenize ' Yes'/' No': answers are not restricted to them",
-                      file=sys.stderr, flush=True)
+                print("annotator: the server did not tokenize ' Yes'/' No': "
+                      "answers are not restricted to them", file=sys.stderr, flush=True)
             self.demos = self.demos or load_demos()
         self.style = style
         return self.model
 
-    def token_id(self, word, server):
-        """The server's token for `word` (llama.cpp's /extras/tokenize, vLLM's /tokenize), else None."""
+    def token_id(self, word, server):  # its token (llama.cpp's /extras/tokenize, vLLM's /tokenize), else None
         root = self.urls[server].removesuffix("/v1")
-        for path, body in (("/extras/tokenize", {"input": word}), ("/tokenize", {"model": self.model, "prompt": word})):
+        for path, body in (("/extras/tokenize", {"input": word}),
+                           ("/tokenize", {"model": self.model, "prompt": word})):
             with contextlib.suppress(Exception):  # no such endpoint, or no answer: the next one
                 tokens = self.call(root + path, body, timeout_s=10)["tokens"]
                 return tokens[-1] if len(tokens) <= 2 else None  # [BOS,] token; else no single token
         return None
 
     def first_token(self, prompt, server, **options):
-        return self.call(self.urls[server] + "/completions", {"model": self.model, "prompt": prompt, "max_tokens": 1,
-                                                              "temperature": 0.0, **options})["choices"][0]
+        return self.call(self.urls[server] + "/completions", {"model": self.model, "prompt": prompt,
+                         "max_tokens": 1, "temperature": 0.0, **options})["choices"][0]
 
     def score(self, caption, server):
-        """A base model's score of a caption, helpful above THRESHOLD: logp(" Yes") - logp(" No") where the server
-        returns log-probabilities, else one greedy token restricted where the server can to ' Yes'/' No' by logit
-        biases (the favourite +100, the most every backend accepts, ' Yes' THRESHOLD less: the same decision)."""
-        prompt = fill(self.prompts, "label_completion", caption=caption, examples=demonstrations(caption, self.demos))
+        """A base model's score of a caption, helpful above THRESHOLD: logp(" Yes") - logp(" No") where the
+        server returns log-probabilities, else a greedy token restricted to ' Yes'/' No' by logit biases (the
+        favourite +100, the most every backend accepts, ' Yes' THRESHOLD less: the same decision)."""
+        prompt = fill(self.prompts, "label_completion", caption=caption,
+                      examples=demonstrations(caption, self.demos))
         if self.scored is not False:
             try:
                 choice = self.first_token(prompt, server, logprobs=5)
@@ -272,25 +267,29 @@ class Labeler:
             top = ((choice.get("logprobs") or {}).get("top_logprobs") or [{}])[0]
             self.scored = bool(top)  # whether the server returns log-probabilities
             if top:
-                floor = min(top.values())  # a word not among the top ones is at most as likely as the last of them
-                return top.get(" Yes", floor) - top.get(" No", floor) if " Yes" in top or " No" in top else UNPARSEABLE
+                floor = min(top.values())  # a word not among the top ones is at most as likely as the last
+                return (top.get(" Yes", floor) - top.get(" No", floor) if " Yes" in top or " No" in top
+                        else UNPARSEABLE)
             if self.fallback_said.acquire(blocking=False):  # once, whichever request found out first
-                print("annotator: the server returns no log-probabilities: a label is its greedy Yes/No, a pair's "
-                      "preference comes from two labels", file=sys.stderr, flush=True)
+                print("annotator: the server returns no log-probabilities: a label is its greedy Yes/No, "
+                      "a pair's preference comes from two labels", file=sys.stderr, flush=True)
         yes, no = (str(self.token_ids[word]) for word in (" Yes", " No"))
-        logit_bias = {yes: 100.0 - max(0.0, THRESHOLD), no: 100.0 - max(0.0, -THRESHOLD)} if self.restricted else None
-        label = parse_choice(self.first_token(prompt, server, logit_bias=logit_bias)["text"], {"yes": 1, "no": 0})
+        logit_bias = ({yes: 100.0 - max(0.0, THRESHOLD), no: 100.0 - max(0.0, -THRESHOLD)} if self.restricted
+                      else None)
+        label = parse_choice(self.first_token(prompt, server, logit_bias=logit_bias)["text"],
+                             {"yes": 1, "no": 0})
         return label if label is UNPARSEABLE else THRESHOLD + (1.0 if label else -1.0)
 
-    def ask(self, item, server=0):
-        """The parsed answer about a caption (str) or a (first, second) pair from server number `server`."""
+    def ask(self, item, server=0):  # the parsed answer about a caption (str) or a (first, second) pair
         is_pair = isinstance(item, tuple)
         if self.style == "chat":
-            kind, fields = ("pair", {"first": item[0], "second": item[1]}) if is_pair else ("label", {"caption": item})
+            kind, fields = (("pair", {"first": item[0], "second": item[1]}) if is_pair
+                            else ("label", {"caption": item}))
             messages = [{"role": "system", "content": self.prompts[f"{kind}_system"]},
                         {"role": "user", "content": fill(self.prompts, f"{kind}_user", **fields)}]
-            text = self.call(self.urls[server] + "/chat/completions", {"model": self.model, "temperature": 0.1,
-                             "max_tokens": 512, "messages": messages})["choices"][0]["message"]["content"]
+            text = self.call(self.urls[server] + "/chat/completions", {
+                "model": self.model, "temperature": 0.1, "max_tokens": 512, "messages": messages,
+            })["choices"][0]["message"]["content"]
             return parse_preference(text) if is_pair else parse_label(text)
         if not is_pair:
             return score if (score := self.score(item, server)) is UNPARSEABLE else int(score > THRESHOLD)
@@ -303,9 +302,8 @@ class Labeler:
 
 
 class LabelTable:
-    """The one label channel, in the Manager's process (it outlives a restarted annotator): the records as written
-    (a caption asked again appears again) until the learner has read them, and the keys settled (1e6 records kept
-    for good took 455 MB)."""
+    """The one label channel, in the Manager's process (it outlives a restarted annotator): the records as
+    written (repeats too) until the learner reads them, as keeping all would fill memory; the keys settled."""
     def __init__(self):
         self.written, self.read, self.done = [], 0, set()  # read: records the learner has taken, dropped
 
@@ -335,13 +333,13 @@ def serve(*, urls, model, prompts, concurrency, run_dir, known, requests, table,
           demos=None, timeout_s=TIMEOUT_S):
     """The annotator process: `concurrency` requests in flight, each to the least busy server not pausing."""
     labeler = Labeler(urls, model, prompts, timeout_s, scored, demos)
-    asking = set()  # keys in flight (a retry of
-    backlog, attempts, in_flight = collections.OrderedDict(), collections.Counter(), {}  # one must not ask it twice)
+    asking = set()  # keys in flight: a retry of one must not ask it twice
+    backlog, attempts, in_flight = collections.OrderedDict(), collections.Counter(), {}
     done = set(known) | set(table.settled())  # a restarted annotator does not ask again what is answered
     latencies, counts = collections.deque(maxlen=1000), collections.Counter(stats.copy())  # counts go on
-    # per server (a dead one must not stall the rest): the next pause, when this one ends, when it began
+    # Per server, as a dead one must not stall the rest: the next pause, when this one ends, when it began.
     pause_s, resume_at, paused_at = [1.0] * len(urls), [0.0] * len(urls), [0.0] * len(urls)
-    fatal, out = None, open(os.path.join(run_dir, LABELS_FILE), "a", buffering=1)  # line-buffered: a write is flushed
+    fatal, out = None, open(os.path.join(run_dir, LABELS_FILE), "a", buffering=1)  # each line flushed
     pool = concurrent.futures.ThreadPoolExecutor(concurrency)  # a thread per request in flight
 
     def enqueue(item):
@@ -351,10 +349,10 @@ def serve(*, urls, model, prompts, concurrency, run_dir, known, requests, table,
             else:  # full: the new one waits, the learner asks again what stays unlabelled
                 counts["dropped"] += 1
 
-    def failed(server, error, started):  # down, 5xx, timeout: that server pauses, twice as long each time; else fatal
+    def failed(server, error, started):  # down, 5xx, timeout: the server pauses, twice as long each time
         nonlocal fatal
         counts["failures"] += 1
-        if started >= paused_at[server]:  # one outage, one doubling: requests sent before it began fail with it
+        if started >= paused_at[server]:  # one outage, one doubling: requests sent before it fail with it
             paused_at[server] = time.time()
             resume_at[server] = paused_at[server] + pause_s[server]
             pause_s[server] = min(pause_s[server] * 2, MAX_BACKOFF_S)
@@ -404,11 +402,11 @@ def serve(*, urls, model, prompts, concurrency, run_dir, known, requests, table,
                 answer = None  # unknown label / a tie
             if answer is not None or isinstance(item, tuple):  # an unknown label may be asked again later
                 done.add(item_key(item))
-            answered.append((item_key(item), {"pair": list(item), "preference": answer} if isinstance(item, tuple)
-                             else {"caption": item, "label": answer}))
-        if answered:  # one round trip and one write for all of this turn's answers
-            out.write("".join(json.dumps(record) + "\n" for _, record in answered))  # on disk before the learner
-            table.put(answered)  # can use them: an annotator killed between the two loses no label a resume needs
+            answered.append((item_key(item), {"pair": list(item), "preference": answer}
+                             if isinstance(item, tuple) else {"caption": item, "label": answer}))
+        if answered:  # on disk first: an annotator killed between the writes loses no label a resume needs
+            out.write("".join(json.dumps(record) + "\n" for _, record in answered))
+            table.put(answered)  # one round trip for all of this turn's answers
             counts["labels"] += len(answered)
         ordered = sorted(latencies) or [0.0]
         stats.update(dict(counts), model=labeler.model, backlog=len(backlog), in_flight=len(in_flight),
@@ -424,15 +422,16 @@ def _serve_process(**kwargs):
     serve(**kwargs)
 
 
-def _manager_process(parent):  # the learner decides when it stops, not a SIGTERM to the group (nor Ctrl-C, which
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # multiprocessing's manager ignores itself); the trainer's death
-    llm_server.die_with_parent(parent, signal.SIGKILL)  # does, by SIGKILL (then the annotator's, which writes to it)
+def _manager_process(parent):  # the learner decides when the manager stops (Ctrl-C it ignores itself),
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # not a SIGTERM to the group; the trainer's death does,
+    llm_server.die_with_parent(parent, signal.SIGKILL)  # by SIGKILL, then the annotator's, which writes to it
 
 
 class LabelClient:
     """Starts the annotator (and the LLM server without --llm-url), feeds it, reads labels, restarts it."""
     def __init__(self, args):
-        self.args, self.server, self.process, self.final_stats, self.prompts = args, None, None, None, dict(PROMPTS)
+        self.args, self.server, self.process, self.final_stats, self.prompts = (args, None, None, None,
+                                                                                dict(PROMPTS))
         self.records_read, self.restarts, self.next_check = 0, 0, 0.0  # records_read: the table cursor
         try:  # read now: a bad pool is an error before anything starts, not in the annotator later
             self.demos = load_demos(getattr(args, "demos", None))
@@ -442,7 +441,7 @@ class LabelClient:
             try:
                 with open(args.prompt_file) as f:
                     self.prompts.update(json.load(f))
-                for name in ("label_user", "pair_user", "label_completion"):  # an error now, not after start-up
+                for name in ("label_user", "pair_user", "label_completion"):  # fail now, not after start-up
                     fill(self.prompts, name, caption="c", first="a", second="b", examples="")
             except (OSError, ValueError) as error:
                 raise SystemExit(f"error: cannot read --prompt-file {args.prompt_file}: {error}")
@@ -451,28 +450,29 @@ class LabelClient:
 
     def start(self, run_dir, known):
         self.urls, self.run_dir, self.known = list(self.args.llm_url), run_dir, set(known)
-        # only Ranking uses a score beyond its label: the rest get the same labels from one greedy token, 6x faster
+        # Only Ranking uses a score beyond its label: the rest get the same label faster from a greedy token.
         self.scored = getattr(self.args, "reward_type", "ranking") == "ranking"
         self.concurrency = getattr(self.args, "llm_concurrency", None) or (
             URL_CONCURRENCY if self.urls else EMBEDDED_CONCURRENCY)
         if not self.urls:
             self.server, url = llm_server.start(log_path=os.path.join(run_dir, "llm_server.log"),
                                                 threads=getattr(self.args, "llm_threads", None),
-                                                num_workers=getattr(self.args, "num_workers", 0), scored=self.scored)
+                                                num_workers=getattr(self.args, "num_workers", 0),
+                                                scored=self.scored)
             self.urls = [url]
             print(f"embedded LLM server at {url}", flush=True)
         try:
             self.ctx = multiprocessing.get_context("spawn")
             self.manager = Manager(ctx=self.ctx)
-            self.manager.start(_manager_process, (os.getpid(),))  # (from the main thread, which the signal is tied to)
-            self.table, self.shared_stats, self.stop = self.manager.LabelTable(), self.manager.dict(), self.ctx.Event()
+            self.manager.start(_manager_process, (os.getpid(),))  # the death signal is tied to this thread
+            self.table, self.shared_stats, self.stop = (self.manager.LabelTable(), self.manager.dict(),
+                                                        self.ctx.Event())
             self.launch()
         except BaseException:
             self.close()  # the embedded server must not outlive a failed start
             raise
 
-    def launch(self):
-        """(Re)starts the annotator on the same table and stats (a new queue: a dead process may hold its lock)."""
+    def launch(self):  # (re)starts the annotator, same table and stats; a new queue, as the old may be locked
         self.requests = self.ctx.Queue(maxsize=1000)
         self.requests.cancel_join_thread()  # exit must not wait to flush requests no process will read
         process = self.ctx.Process(target=_serve_process, daemon=True, kwargs=dict(
@@ -483,8 +483,8 @@ class LabelClient:
         self.process = process  # only once started: close() joins it
 
     def check(self):
-        """Once per learner update, cheap (reads the stats every CHECK_EVERY_S at most): restarts a dead annotator
-        (True: the learner asks again what it had not answered); a fatal error raises SystemExit (the learner saves)."""
+        """Once per learner update; reads the stats every CHECK_EVERY_S at most. Restarts a dead annotator
+        (True: the learner asks again what is unanswered); a fatal error raises SystemExit (the run saves)."""
         alive = self.process is not None and self.process.is_alive()
         if self.process is None or alive and time.time() < self.next_check:
             return
@@ -493,7 +493,8 @@ class LabelClient:
             raise SystemExit(f"error: annotator: {fatal}")
         if not alive:
             self.restarts += 1
-            why = f"annotator: its process died (exit code {self.process.exitcode}), {self.restarts} times so far"
+            why = (f"annotator: its process died (exit code {self.process.exitcode}), "
+                   f"{self.restarts} times so far")
             if self.restarts > MAX_RESTARTS:
                 raise SystemExit(f"error: {why}")
             print(f"{why}: restarting it", file=sys.stderr, flush=True)
@@ -505,8 +506,7 @@ class LabelClient:
             with contextlib.suppress(queue.Full):  # the annotator is far behind: these will come round again
                 self.requests.put_nowait((captions, pairs))
 
-    def new_records(self) -> list[dict]:
-        """Every record written since the last call, in order, as in labels.jsonl: one round trip."""
+    def new_records(self) -> list[dict]:  # the records written since the last call, in order: one round trip
         records, self.records_read = self.table.since(self.records_read)
         return records
 

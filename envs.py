@@ -1,8 +1,7 @@
 """The NetHack tasks of the ONI paper on NLE 1.3, with the paper's 28 "extended" actions.
 
-`make_env(task, seed)` builds one, as does `gym.make` under the names of the paper's code. Each step's
-`info["message_count"]` says how often its message has been seen in the episode (the N of ONI's 1/N^beta),
-and the final step's `info["episode"]` holds the episode's statistics."""
+`make_env(task, seed)` or `gym.make` (the paper's names) builds one. A step's `info["message_count"]`
+is the N of ONI's 1/N^beta (its message's count in the episode); the last step's `info["episode"]` sums up."""
 import re
 import gymnasium as gym
 import numpy as np
@@ -10,17 +9,18 @@ from nle import nethack
 from nle.env import base
 from nle.env.tasks import TASK_ACTIONS
 
-ACTIONS = tuple(TASK_ACTIONS) + (  # NLE's 23 task actions (MORE, 8+8 compass, UP, DOWN, WAIT, KICK, EAT, SEARCH) + 5
-    nethack.Command.CAST, nethack.Command.QUAFF, nethack.Command.PRAY, nethack.Command.PICKUP, nethack.Command.PAY)
-OBS_KEYS = ("glyphs", "chars", "colors", "blstats", "message")  # only what is read: NLE's default keys cost ~30% speed
+# NLE's 23 task actions (MORE, 8+8 compass, UP, DOWN, WAIT, KICK, EAT, SEARCH) and five more.
+ACTIONS = tuple(TASK_ACTIONS) + (nethack.Command.CAST, nethack.Command.QUAFF, nethack.Command.PRAY,
+                                 nethack.Command.PICKUP, nethack.Command.PAY)
+OBS_KEYS = ("glyphs", "chars", "colors", "blstats", "message")  # only what is read: NLE's defaults cost speed
 MESSAGE_LEN, DEFAULT_CHARACTER, MAX_EPISODE_STEPS = 256, "mon-hum-neu-mal", 5000
-SUCCESS_REWARD, FROZEN_TIME_PENALTY = 50.0, -0.01  # the goal reached; a score-task step that took no game time
+SUCCESS_REWARD, FROZEN_TIME_PENALTY = 50.0, -0.01  # the goal reached; a score step that took no game time
 
-# At "What do you want to eat/drink? [fgh or ?*]" this action picks the first offered letter, as in
-# the reference; it is the NW move, whose key 'y' also answers yes to "eat it? [ynq]".
+# At "What do you want to eat/drink? [fgh or ?*]" this action picks the first offered letter, as in the
+# reference; it is the NW move, whose key 'y' also answers yes to "eat it? [ynq]".
 CONFIRM_ACTION = ACTIONS.index(nethack.CompassDirection.NW)
 ITEM_PROMPT = re.compile(rb"What do you want to (?:eat|drink)\? \[([a-zA-Z])")
-AGENT_QUESTIONS = (b"eat", b"drink", b"attack", b"direction?", b"pray")  # y/n questions the agent answers; others: ESC
+AGENT_QUESTIONS = (b"eat", b"drink", b"attack", b"direction?", b"pray")  # y/n questions the agent answers
 DESCEND_MESSAGE, SKILL_MESSAGE = b"You descend the stairs.", b"You feel more confident in"
 KILL_MESSAGE = re.compile(rb"You (?:kill|destroy) ")  # not "is killed"/"kills": the pet's kills
 ESC, SPACE, CAST, ENHANCE = 27, ord(" "), int(nethack.Command.CAST), int(nethack.Command.ENHANCE)
@@ -28,8 +28,8 @@ STONE_GLYPH = nethack.GLYPH_CMAP_OFF  # unexplored cells show the "dark part of 
 
 # goal: "score" (score delta with a frozen-time penalty), ("depth", n) or "oracle" (+50 and end).
 TASKS = {"NetHackScoreExtendedActions-v1": "score", "NetHackStaircaseExtendedActions-v1": ("depth", 2),
-         "NetHackStaircaseLvl3ExtendedActions-v1": ("depth", 3), "NetHackStaircaseLvl4ExtendedActions-v1": ("depth", 4),
-         "NetHackOracleExtendedActions-v1": "oracle"}
+         "NetHackStaircaseLvl3ExtendedActions-v1": ("depth", 3),
+         "NetHackStaircaseLvl4ExtendedActions-v1": ("depth", 4), "NetHackOracleExtendedActions-v1": "oracle"}
 X, Y, SCORE, DEPTH, GOLD, XLVL, TIME, DNUM, DLEVEL = (
     nethack.NLE_BL_X, nethack.NLE_BL_Y, nethack.NLE_BL_SCORE, nethack.NLE_BL_DEPTH, nethack.NLE_BL_GOLD,
     nethack.NLE_BL_XP, nethack.NLE_BL_TIME, nethack.NLE_BL_DNUM, nethack.NLE_BL_DLEVEL)
@@ -47,17 +47,17 @@ def monster_glyph(name: str) -> int:
 
 
 class NetHackTask(base.NLE):
-    """One of the paper's tasks. Steps NetHack directly (not through NLE's `step`) to copy only the
-    bottom-line stats each step and to add the extended-action behaviour."""
+    """One of the paper's tasks. Steps NetHack directly, not through NLE's `step`, to copy only the
+    bottom-line stats each step and to add the extended actions' prompts."""
     def __init__(self, task: str, seed: int | None = None, character: str = DEFAULT_CHARACTER,
                  max_episode_steps: int = MAX_EPISODE_STEPS, extra_keys: tuple[str, ...] = (), **nle_kwargs):
         if task not in TASKS:
             raise ValueError(f"unknown task {task!r}; known tasks: {', '.join(TASKS)}")
-        # fix_moon_phase: NetHack reads the wall clock (a full moon's +1 Luck changes prayer and combat; new
-        # moon, Friday the 13th, night too); with it these follow the game's seeds, so a seed is one game on any date.
-        # extra_keys: more of NLE's observations, in obs too (evaluate.py's replays read the terminal, tty_*)
+        # NetHack reads the wall clock (moon phase, Friday the 13th and night change Luck, prayer, combat):
+        # fix_moon_phase makes a seed one game on any date. extra_keys: evaluate.py's tty_* observations.
         super().__init__(character=character, max_episode_steps=max_episode_steps, actions=ACTIONS,
-                         observation_keys=OBS_KEYS + tuple(extra_keys), **{"fix_moon_phase": True, **nle_kwargs})
+                         observation_keys=OBS_KEYS + tuple(extra_keys),
+                         **{"fix_moon_phase": True, **nle_kwargs})
         self.task, self.goal, self._keys = task, TASKS[task], tuple(int(a) for a in ACTIONS)
         self.oracle_glyph = monster_glyph("Oracle") if self.goal == "oracle" else None
         self._seeds = np.random.default_rng(seed) if seed is not None else None
@@ -71,11 +71,12 @@ class NetHackTask(base.NLE):
         obs, _ = super().reset(options=options)
         self._item_key, self._texts, self._message_counts, self._explored = None, [], {}, {}
         self._kills, self._return, self._max_depth = 0, 0.0, 1
-        return obs, {"message_count": self._count_message(message_bytes(self.last_observation[self._message_index]))}
+        return obs, {"message_count": self._count_message(
+            message_bytes(self.last_observation[self._message_index]))}
 
     def step(self, action: int):
         previous = self.last_observation[self._blstats_index].tolist()
-        # NLE refills its arrays in place: keep the map (cheaper than counting it every step)
+        # NLE refills its arrays in place: keep the map, cheaper than counting it every step.
         self._map = self.last_observation[self._glyph_index].tobytes()
         observation, done = self._send_action(action, self._keys[action])
         self._steps, self.last_observation = self._steps + 1, observation
@@ -84,7 +85,8 @@ class NetHackTask(base.NLE):
         self._max_depth = max(self._max_depth, stats[DEPTH])
         success = not done and self._succeeded(observation, blstats)
         if self.goal == "score":
-            reward = float(stats[SCORE] - previous[SCORE]) + FROZEN_TIME_PENALTY * (blstats[TIME] == previous[TIME])
+            reward = (float(stats[SCORE] - previous[SCORE])
+                      + FROZEN_TIME_PENALTY * (blstats[TIME] == previous[TIME]))
         else:
             reward = SUCCESS_REWARD if success else 0.0
         self._return += reward
@@ -92,16 +94,17 @@ class NetHackTask(base.NLE):
         info = {"message_count": self._count_message(message_bytes(observation[self._message_index]))}
         self._kills += len(KILL_MESSAGE.findall(b"\n".join(self._texts)))
         obs = self._get_observation(observation)
-        # a new level (stairs, trap door, level teleport; or the game's end, which zeroes the stats)
+        # A new level (stairs, trap door, level teleport; or the game's end, which zeroes the stats).
         if blstats[DLEVEL] != previous[DLEVEL] or blstats[DNUM] != previous[DNUM]:
             self._count_explored(np.frombuffer(self._map, np.int16), previous)  # the level left
         if done or success or truncated:
             self._count_explored(observation[self._glyph_index], blstats)
-            info["episode"] = {"return": self._return, "steps": self._steps, "success": float(success), "score": stats[SCORE],
-                               "depth": self._max_depth, "dlvl": stats[DEPTH], "xlvl": stats[XLVL], "gold": stats[GOLD],
-                               "kills": self._kills, "explored": sum(self._explored.values())}
+            info["episode"] = {"return": self._return, "steps": self._steps, "success": float(success),
+                               "score": stats[SCORE], "depth": self._max_depth, "dlvl": stats[DEPTH],
+                               "xlvl": stats[XLVL], "gold": stats[GOLD], "kills": self._kills,
+                               "explored": sum(self._explored.values())}
         if (success or truncated) and not done:
-            # NLE refills in place: keep the last real observation (a truncated episode bootstraps from it), then quit
+            # Quitting refills the arrays: keep the last real observation (a truncated episode bootstraps).
             obs = {k: v.copy() for k, v in obs.items()}
             self._quit_game(observation, done)
         return obs, reward, done or success, truncated, info
@@ -114,7 +117,7 @@ class NetHackTask(base.NLE):
         if key == CAST and not done and not observation[self._message_index].any():
             observation, done = self.nethack.step(ord("a"))  # the spell menu is up: first spell
         observation, done = self._answer_prompts(observation, done)
-        # NetHack says it once, maybe on a --More-- page: missed, the skill never advances
+        # NetHack says it once, maybe on a --More-- page: if missed, the skill never advances.
         if not done and SKILL_MESSAGE in b"\n".join(self._texts):
             observation, done = self.nethack.step(ENHANCE)
             if not done:
@@ -123,18 +126,18 @@ class NetHackTask(base.NLE):
         return observation, done
 
     def _answer_prompts(self, observation, done):
-        """Skip --More-- (keeping the stairs message, or at the game's end its last words), ESC text
-        prompts and y/n questions except the agent's own; note the first item letter of an
-        eat/drink prompt. Every message shown, each page's too, goes to `_texts`."""
+        """Skips --More-- (keeping the stairs message or the game's last words), ESCs text prompts and
+        others' questions, notes an eat/drink prompt's first item; every page's message goes to `_texts`."""
         kept = None
         while not done:
-            internal, text = observation[self._internal_index], message_bytes(observation[self._message_index])
+            internal, text = (observation[self._internal_index],
+                              message_bytes(observation[self._message_index]))
             self._texts.append(text)
             if internal[3]:  # xwaitforspace: --More--
                 kept = text if DESCEND_MESSAGE in text else kept
                 observation, done = self.nethack.step(SPACE)
             elif internal[2] or internal[1] and not any(q in text for q in AGENT_QUESTIONS):
-                observation, done = self.nethack.step(ESC)  # getlin (a line of text), or a question not the agent's
+                observation, done = self.nethack.step(ESC)  # a line of text (getlin) or another's question
             elif internal[1]:  # yn_function: a single-character question, one of the agent's own
                 prompt = ITEM_PROMPT.search(text)
                 self._item_key = ord(prompt.group(1)) if prompt else None
@@ -160,15 +163,14 @@ class NetHackTask(base.NLE):
         count = self._message_counts[text] = self._message_counts.get(text, 0) + 1
         return count
 
-    def _count_explored(self, glyphs, blstats):
-        """Seen cells of a level, counted as we leave it and at the end (its map only grows)."""
+    def _count_explored(self, glyphs, blstats):  # a level's seen cells, on leaving it (its map only grows)
         if blstats[TIME]:
             level = (blstats[DNUM], blstats[DLEVEL])
-            self._explored[level] = max(int(np.count_nonzero(glyphs != STONE_GLYPH)), self._explored.get(level, 0))
+            self._explored[level] = max(int(np.count_nonzero(glyphs != STONE_GLYPH)),
+                                        self._explored.get(level, 0))
 
 
-def make_env(task: str, seed: int | None = None, **kwargs) -> NetHackTask:
-    """One env of `task`; picklable arguments only, so it works in `spawn`ed workers."""
+def make_env(task: str, seed: int | None = None, **kwargs) -> NetHackTask:  # picklable: for spawned workers
     return NetHackTask(task, seed=seed, **kwargs)
 
 

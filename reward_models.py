@@ -1,8 +1,8 @@
 """ONI's intrinsic rewards: how LLM labels of messages become a reward for every step,
-r = c_ext * clip(r_env * scale, -clip, clip) + c_int * R(message) / N(message)^beta, where N is how often the message
-was seen in the episode so far (envs.py counts it) and R comes from the reward type's piece (PIECES), which scores
-distinct messages and learns from new labels. A step's message is that of the observation it produced: a death is
-scored with its own last message, not the next episode's first."""
+r = c_ext * clip(r_env * scale, -clip, clip) + c_int * R(message) / N(message)^beta, where N is how often the
+message was seen in the episode so far (envs.py counts it) and R comes from the reward type's piece (PIECES),
+which scores distinct messages and learns from new labels. A step's message is that of the observation it
+produced: a death is scored with its own last message, not the next episode's first."""
 import collections
 import copy
 import heapq
@@ -29,17 +29,17 @@ PAIRS_PER_BATCH = 8  # ranking draws this many pairs per learner batch: asked, o
 REFERENCE_STEPS = 16_384  # Ranking's statistics are over the messages of the run's first non-empty steps.
 RANKING_BAR, RANKING_CLIP = 1.5, 5.0  # A ranking reward is a z-score paid above 1.5 std, at most 5.
 MIN_SPREAD = 0.5  # ...of a model whose outputs differ by at least this (Bradley-Terry log-odds)
-# The classifier's gate: it pays once 90% of its helpful labels' pay is paid and 90% of what it would pay
-# goes to helpful labels, and stops only below 85%, so that a model near the bar does not switch at every
-# publication. It judges the GATE_MESSAGES labels of each class paid most: the same ones while pay stands.
+# The classifier's gate pays once 90% of its helpful labels' pay is paid and 90% of what it would pay goes to
+# helpful labels, and stops only below 85%, so that a model near the bar does not switch at every publication.
 FIT, UNFIT = 0.9, 0.85
-GATE_MESSAGES = 1024
+GATE_MESSAGES = 1024  # the gate judges the labels of each class paid most: the same ones while pay stands
 RETRY_S = 60.0  # a caption still unanswered this long after it was asked is asked again
 
 
 def to_rows(texts: list[str], device="cpu") -> torch.Tensor:
     """Messages (latin-1 text) -> [N, 256] uint8, zero padded."""
-    raw = np.array([t.encode("latin-1", "replace")[:envs.MESSAGE_LEN] for t in texts], dtype=f"S{envs.MESSAGE_LEN}")
+    raw = np.array([t.encode("latin-1", "replace")[:envs.MESSAGE_LEN] for t in texts],
+                   dtype=f"S{envs.MESSAGE_LEN}")
     return torch.from_numpy(raw.view(np.uint8).reshape(len(texts), envs.MESSAGE_LEN)).to(device)
 
 
@@ -54,7 +54,7 @@ def mix(env_reward, paid, args):  # The total reward the policy learns from; pai
 
 
 def unique_rows(rows: np.ndarray):
-    """Distinct rows of [N, L] uint8, each row's index among them, their counts: ~10x torch.unique's speed on CPU."""
+    """Distinct rows of [N, L] uint8, each row's index among them, their counts (faster than torch.unique)."""
     keys = np.ascontiguousarray(rows).view(np.dtype((np.void, rows.shape[1]))).ravel()
     unique, inverse, counts = np.unique(keys, return_inverse=True, return_counts=True)
     return unique.view(np.uint8).reshape(len(unique), rows.shape[1]), inverse.ravel(), counts
@@ -71,9 +71,9 @@ class MessageEncoder(nn.Module):
     def __init__(self, channels=64):
         super().__init__()
         self.embed, c = nn.Embedding(256, 32), channels
-        self.convs = nn.Sequential(nn.Conv1d(32, c, 7), nn.ReLU(), nn.MaxPool1d(3), nn.Conv1d(c, c, 7), nn.ReLU(),
-                                   nn.MaxPool1d(3), *[m for _ in range(4) for m in (nn.Conv1d(c, c, 3), nn.ReLU())],
-                                   nn.MaxPool1d(3), nn.Flatten())
+        self.convs = nn.Sequential(
+            nn.Conv1d(32, c, 7), nn.ReLU(), nn.MaxPool1d(3), nn.Conv1d(c, c, 7), nn.ReLU(), nn.MaxPool1d(3),
+            *[m for _ in range(4) for m in (nn.Conv1d(c, c, 3), nn.ReLU())], nn.MaxPool1d(3), nn.Flatten())
         self.out = nn.Linear(c * 5, 128)  # 256 -> 250 -> 83 -> 77 -> 25 -> 17 -> 5 positions
 
     def forward(self, rows):
@@ -136,7 +136,8 @@ class Retrieval(NoReward):
     """ONI-Retrieval: R = the LLM's label of the message (1 helpful, 0 not), 0 while unlabelled."""
     asks = "captions"
 
-    def score(self, rows, texts): return torch.tensor([self.labels.get(t, 0.0) for t in texts], device=self.device)
+    def score(self, rows, texts):
+        return torch.tensor([self.labels.get(t, 0.0) for t in texts], device=self.device)
 
 
 class Ellm(NoReward):
@@ -157,8 +158,8 @@ class Ellm(NoReward):
 
 
 class TrainedModel(NoReward):
-    """A reward model trained by a thread of its own within a share of wall time, off the policy update's path; each
-    burst publishes a frozen copy and its statistics as one object: the learner never waits, nor mixes the two."""
+    """A reward model its own thread trains within a share of wall time, off the policy update's path; each
+    burst publishes a frozen copy and its statistics as one object: the learner never waits nor mixes them."""
     scoring_keys = ()  # what score() needs besides the weights: published and checkpointed with them
     steps_per_label = STEPS_PER_LABEL
 
@@ -167,7 +168,7 @@ class TrainedModel(NoReward):
         self.model = nn.Sequential(collections.OrderedDict(encoder=MessageEncoder(), head=head)).to(device)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=1e-4)
         self.rng, self.lock, self.stop = random.Random(args.seed), threading.Lock(), threading.Event()
-        self.new_labels = self.batches = self.model_steps = self.burst = 0  # burst: the steps of one not yet published
+        self.new_labels = self.batches = self.model_steps = self.burst = 0  # burst: steps not yet published
         self.loss, self.busy_s, self.started, self.owed_steps, self.published = None, 0.0, None, 0.0, None
 
     def add_labels(self, records):
@@ -184,11 +185,12 @@ class TrainedModel(NoReward):
 
     @torch.no_grad()
     def score(self, rows, texts):  # untrained: no reward (the reference used its random init)
-        return super().score(rows, texts) if (published := self.published) is None else self.reward(published, rows)
+        return (super().score(rows, texts) if (published := self.published) is None
+                else self.reward(published, rows))
 
     def train_now(self, steps=None, batch_size=256, share=1.0) -> int:
-        """A burst and its publication (what the thread repeats; tests run it inline), resting after each step so
-        that training takes at most `share` of wall time; the steps, unless given, by the reference's schedule."""
+        """A burst and its publication (the thread's loop; tests call it), resting so that training takes
+        at most `share` of wall time; the steps, unless given, by the reference's schedule."""
         if steps is None:
             with self.lock:
                 if self.ready():
@@ -211,22 +213,23 @@ class TrainedModel(NoReward):
             self.stop.wait(spent * (1 / share - 1))  # the budget: rest so that training takes at most `share`
         return self.model_steps - first
 
-    def publish(self, **scoring):  # frozen copies for score() and the checkpoint, with their statistics unless given
+    def publish(self, **scoring):  # frozen copies for score() and checkpoints, with statistics unless given
         model = copy.deepcopy(self.model).eval().requires_grad_(False)
         published = {"model": model, "model_steps": self.model_steps, "minibatch_rng": self.rng.getstate(),
-                     "optimizer": copy.deepcopy(self.optimizer.state_dict()), **(scoring or self.scoring(model))}
+                     "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+                     **(scoring or self.scoring(model))}
         with self.lock:
             self.published, self.burst = published, 0
 
     def start(self, share=1.0):
         def train():
-            # half the learner's threads: two OpenMP teams as wide as the machine spin against each other
-            torch.set_num_threads(max(1, torch.get_num_threads() // 2))  # (a step took 3 s, not 0.2, on 2 cores)
+            # Half the learner's threads: two OpenMP teams as wide as the machine spin against each other.
+            torch.set_num_threads(max(1, torch.get_num_threads() // 2))
             try:
                 while not self.stop.is_set():
                     if not self.train_now(share=share):
                         self.stop.wait(0.1)  # nothing due: look again soon
-            except BaseException as error:  # the run ends as for a fatal LLM error: checkpoint, one line, --resume
+            except BaseException as error:  # rewards() ends the run: a checkpoint, one line, --resume
                 traceback.print_exc()  # the cause, before that line
                 self.error = error
         self.started, self.thread = time.perf_counter(), threading.Thread(target=train, daemon=True)
@@ -238,31 +241,35 @@ class TrainedModel(NoReward):
             self.thread.join()
 
     def train_stats(self) -> dict:
-        stats = {"reward_model_loss": self.loss, "reward_model_steps": self.model_steps,  # loss: the latest step's
+        stats = {"reward_model_loss": self.loss, "reward_model_steps": self.model_steps,  # latest step's loss
                  "reward_model_data": len(self.data), "reward_model_owed_steps": self.owed_steps,
-                 "reward_model_time_share": self.started and self.busy_s / (time.perf_counter() - self.started)}
+                 "reward_model_time_share": self.started and self.busy_s / (
+                     time.perf_counter() - self.started)}
         return {key: value for key, value in stats.items() if value is not None}
 
     def state_dict(self) -> dict:
-        """The model as published (its weights, optimizer, statistics and sampling stream of one moment) and the work
-        owed since: a resume goes on from there exactly (the steps of a burst cut short are owed again)."""
+        """The model as published (weights, optimizer, statistics and sampling stream of one moment) and the
+        work owed since: a resume goes on from there exactly (a burst cut short is owed again)."""
         with self.lock:
-            published, trainer = self.published, {"owed_steps": self.owed_steps + self.burst, "batches": self.batches,
-                                                  "new_labels": self.new_labels, "labels": len(self.data)}
-        return dict(published or {}, trainer=trainer, **({"model": published["model"].state_dict()} if published else {}))
+            published, trainer = self.published, {"owed_steps": self.owed_steps + self.burst,
+                                                  "batches": self.batches, "new_labels": self.new_labels,
+                                                  "labels": len(self.data)}
+        return dict(published or {}, trainer=trainer,
+                    **({"model": published["model"].state_dict()} if published else {}))
 
     def load_state_dict(self, state):  # before start(), after the run's labels came back from labels.jsonl
         trainer = state.get("trainer", {})  # (none in checkpoints from before it was kept: nothing owed)
         self.owed_steps, self.batches = trainer.get("owed_steps", 0.0), trainer.get("batches", 0)
         # labels not trained on when saved, and those given since (fewer if a crash cut labels.jsonl short)
-        self.new_labels = max(0, trainer.get("new_labels", 0) + len(self.data) - trainer.get("labels", len(self.data)))
+        self.new_labels = max(0, trainer.get("new_labels", 0) + len(self.data)
+                              - trainer.get("labels", len(self.data)))
         if state.get("model_steps"):
             self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
             self.model_steps = state["model_steps"]
             if "minibatch_rng" in state:  # (checkpoints from before it was kept go on from the seed)
                 self.rng.setstate(state["minibatch_rng"])
-            self.publish(**{key: state.get(key) for key in self.scoring_keys})  # (no "frequent" before 2026-11-25)
+            self.publish(**{key: state.get(key) for key in self.scoring_keys})  # old ones lack "frequent"
 
 
 class Classification(TrainedModel):
@@ -273,9 +280,10 @@ class Classification(TrainedModel):
 
     def __init__(self, args, device):
         super().__init__(args, device, nn.Sequential(
-            nn.Linear(128, 512), nn.ReLU(), nn.Dropout(0.1), nn.Linear(512, 512), nn.ReLU(), nn.Dropout(0.1), nn.Linear(512, 2)))
+            nn.Linear(128, 512), nn.ReLU(), nn.Dropout(0.1),
+            nn.Linear(512, 512), nn.ReLU(), nn.Dropout(0.1), nn.Linear(512, 2)))
         self.data, self.pay = self.labels, collections.Counter()  # message -> its pay weight (firsts) all run
-        self.keys, self.classes = [], set()  # the labels' captions in order, their classes: no scan of 1e6 under the lock
+        self.keys, self.classes = [], set()  # captions in order, their classes: no scan of 1e6 under the lock
 
     def reward(self, published, rows):
         return (published["model"](rows).softmax(-1)[:, 1] > 0.5).float() * published["fitted"]
@@ -283,11 +291,12 @@ class Classification(TrainedModel):
     def add_labels(self, records):
         labelled = [(r["caption"], float(r["label"])) for r in records if r.get("label") is not None]
         new = dict.fromkeys(caption for caption, _ in labelled if caption not in self.labels)
-        changed = any(self.labels.get(caption, label) != label for caption, label in labelled)  # rare: a re-ask
+        changed = any(self.labels.get(caption, label) != label for caption, label in labelled)  # a re-ask
         super().add_labels(records)
         with self.lock:
             self.keys += new
-            self.classes = set(self.labels.values()) if changed else self.classes | {label for _, label in labelled}
+            self.classes = (set(self.labels.values()) if changed
+                            else self.classes | {label for _, label in labelled})
 
     def minibatch_loss(self, batch_size):
         # Half is drawn as the reference drew, uniformly over the labels, and half as the gate weighs them,
@@ -338,9 +347,8 @@ class Classification(TrainedModel):
 
 
 class Ranking(TrainedModel):
-    """ONI-Ranking: R = RankingNorm of a Bradley-Terry model trained on the LLM's preferences over pairs, its
-    statistics refit at each publication over the messages of the run's first REFERENCE_STEPS steps with a
-    message (whole learner batches): over recent steps, what was paid moved with what the policy did."""
+    """ONI-Ranking: R = RankingNorm of a Bradley-Terry model of the LLM's pair preferences, the norm refit at
+    each publication over the run's first REFERENCE_STEPS steps: over recent ones, pay followed the policy."""
     asks, scoring_keys, median = "pairs", ("norm",), False
 
     def __init__(self, args, device):
@@ -356,7 +364,7 @@ class Ranking(TrainedModel):
         with self.lock:
             items = self.rng.choices(self.pairs, k=batch_size)
         rewards = outputs(self.model.train(), [p[0] for p in items] + [p[1] for p in items], self.device)
-        preference = torch.tensor([p[2] for p in items], device=self.device)  # p(the first is better), 0.5 a tie
+        preference = torch.tensor([p[2] for p in items], device=self.device)  # p(first is better), tie 0.5
         log_p = torch.log_softmax(torch.stack([rewards[:batch_size], rewards[batch_size:]], dim=1), dim=1)
         return -(torch.stack([preference, 1 - preference], dim=1) * log_p).sum(1).mean()  # Bradley-Terry
 
@@ -400,7 +408,8 @@ class Motif(Ranking):
         self.train_now(max(300, 10 * len(self.pairs) // 256))
         if self.published["norm"]["mean"] is None and not args.raw_ranking:
             raise SystemExit(f"error: the reward model trained on {args.labels_from} does not tell its "
-                             f"messages apart (outputs span < {MIN_SPREAD}): it would pay nothing; give it more pairs")
+                             f"messages apart (outputs span < {MIN_SPREAD}): it would pay nothing; "
+                             "give it more pairs")
 
     def ready(self): return False  # frozen: no training is ever due
     def add_labels(self, records): pass
@@ -414,43 +423,44 @@ REWARD_TYPES, NEEDS_LLM = tuple(PIECES), tuple(name for name, piece in PIECES.it
 
 
 class IntrinsicReward:
-    """All reward types: the piece's R per distinct message, count normalization, the mix, what to ask, messages.tsv."""
+    """All reward types: the piece's R per message, R / N^beta, the mix, what to ask, messages.tsv."""
     def __init__(self, args, device):
         self.args, self.device, self.piece = args, device, PIECES[args.reward_type](args, device)
         self.start, self.close, self.train_stats = self.piece.start, self.piece.close, self.piece.train_stats
         self.rng = random.Random(f"label requests {args.seed}")  # the pairs to ask
         self.asked: dict[str, float] = {}  # captions asked and not yet answered -> when last asked
-        self.to_ask, self.batches_to_pair, self.last_retry = [], 0, time.time()  # since the last label_requests()
+        self.to_ask, self.batches_to_pair, self.last_retry = [], 0, time.time()  # since label_requests()
         self.pair_pool, self.pool_offers, self.steps_seen = [], 0, 0
-        self.answered: dict[tuple, int | None] = {}  # (first, second) -> preference, in both orders (1 and 2 swap)
+        self.answered: dict[tuple, int | None] = {}  # (a, b) -> preference, in both orders (1 and 2 swap)
         self.waiting: dict[tuple, int] = {}  # pairs asked and not yet answered -> how often drawn meanwhile
         self.reused = collections.Counter()  # answered pairs drawn again: training data not in labels.jsonl
-        self.seen, self.paid = collections.Counter(), collections.Counter()  # message -> steps, R / N^beta paid in all
-        self.firsts = collections.Counter()  # message -> 1 / N^beta summed, its pay weight
+        self.seen, self.paid = collections.Counter(), collections.Counter()  # steps, R / N^beta paid in all
+        self.firsts = collections.Counter()  # a message's 1 / N^beta summed, its pay weight
         self.firsts_partial = False  # resumed from a checkpoint older than the pay weights: counted since
         if args.labels_from and self.piece.asks:  # a head start (Motif trains on them itself)
             self.add_labels(annotator.read_labels(args.labels_from))
 
-    def known_keys(self) -> set[str]:  # captions answered and pairs compared: what the annotator need not ask again
+    def known_keys(self) -> set[str]:  # captions answered, pairs compared: what the annotator need not ask
         return set(self.piece.labels) | {annotator.item_key(pair) for pair in self.answered}
 
     def rewards(self, env_reward, messages, counts, terminal):
-        """env_reward, counts, terminal (the step ended its episode): [T, B]; messages: [T, B, 256] uint8 on the
-        CPU, each step's own message. Returns the mixed rewards, R / N^beta of each step and statistics."""
+        """env_reward, counts, terminal (the step ended its episode): [T, B]; messages: [T, B, 256] uint8 on
+        the CPU, each step's own. Returns the mixed rewards, R / N^beta of each step and statistics."""
         if (error := self.piece.error) is not None:  # the policy is intact: the learner saves it and stops
             raise SystemExit(f"error: the reward model's trainer failed ({type(error).__name__}: {error})")
         rows, inverse, steps = unique_rows(messages.flatten(0, 1).cpu().numpy())
         texts = [envs.message_bytes(row).decode("latin-1") for row in rows]
         nonempty = rows.any(axis=1)  # the empty message is worth nothing and never asked
-        values = self.piece.score(torch.from_numpy(rows).to(self.device), texts) * torch.from_numpy(nonempty).to(self.device)
+        values = (self.piece.score(torch.from_numpy(rows).to(self.device), texts)
+                  * torch.from_numpy(nonempty).to(self.device))
         paid = count_normalized(values[torch.from_numpy(inverse).to(self.device)].view(env_reward.shape),
                                 counts, self.args.count_beta)
         weights = counts.flatten().cpu().numpy().clip(min=1).astype(np.float64) ** -self.args.count_beta
         firsts = np.bincount(inverse, weights=weights, minlength=len(texts))  # the pay weight each step adds
         self.piece.see([t for t, keep in zip(texts, nonempty) if keep], steps[nonempty], firsts[nonempty])
-        if self.piece.asks == "captions":  # new captions to ask
-            new = [texts[i] for i in np.argsort(-steps, kind="stable")  # most steps first: a full backlog takes the first
-                   if nonempty[i] and texts[i] not in self.piece.labels and texts[i] not in self.asked]  # (not A to Z)
+        if self.piece.asks == "captions":  # most steps first, not A to Z: a full backlog takes the first
+            new = [texts[i] for i in np.argsort(-steps, kind="stable")
+                   if nonempty[i] and texts[i] not in self.piece.labels and texts[i] not in self.asked]
             self.asked.update(dict.fromkeys(new, time.time()))
             self.to_ask += new
         elif self.piece.asks == "pairs":
@@ -486,14 +496,14 @@ class IntrinsicReward:
             self.pair_pool[j] = text
 
     def draw_pair(self):
-        """Two messages of the pool's steps, the second drawn again while it is the first (the pool repeats common
-        messages: their self-pairs, a fifth of all, would cost them pairs); None if 100 draws could not differ."""
+        """Two messages of the pool's steps, the second drawn again while it is the first (the pool repeats
+        common messages: self-pairs would cost them pairs); None if 100 draws could not differ."""
         first = self.rng.choice(self.pair_pool)
         for _ in range(100):
             if (second := self.rng.choice(self.pair_pool)) != first:
                 return first, second
 
-    def reuse(self, pairs):  # answered pairs drawn again: trained on again, with their answer, not asked again
+    def reuse(self, pairs):  # answered pairs drawn again: trained on with their answer, not asked again
         self.reused.update(pairs)
         self.piece.add_labels([{"pair": list(pair), "preference": self.answered[pair]} for pair in pairs])
 
@@ -505,8 +515,8 @@ class IntrinsicReward:
         client.request(*(asked := self.label_requests()))
         return asked
 
-    def unanswered(self) -> tuple[list[str], list[tuple[str, str]]]:  # for a restarted annotator: captions and pairs,
-        return tuple(list(itertools.islice(t, annotator.MAX_BACKLOG)) for t in (self.asked, self.waiting))  # oldest first
+    def unanswered(self) -> tuple[list[str], list[tuple[str, str]]]:  # a restarted annotator's, oldest first
+        return tuple(list(itertools.islice(t, annotator.MAX_BACKLOG)) for t in (self.asked, self.waiting))
 
     def add_labels(self, records):  # the LLM's answers, --labels-from, or on a resume the run's labels.jsonl
         self.piece.add_labels(records)  # first: a caption labelled, then unparseable in one call, is done
@@ -524,8 +534,8 @@ class IntrinsicReward:
 
     def label_requests(self) -> tuple[list[str], list[tuple[str, str]]]:
         """What to ask the LLM now: captions new since the last call and those unanswered for RETRY_S (a full
-        backlog may have dropped them); ranking: of PAIRS_PER_BATCH pairs per batch since the last call, those not
-        answered yet. Each drawn pair is trained on once, so the pairs keep the steps' frequencies."""
+        backlog may have dropped them); ranking: of PAIRS_PER_BATCH pairs per batch since the last call, those
+        not answered yet. Each drawn pair is trained on once, so the pairs keep the steps' frequencies."""
         captions, self.to_ask, now = self.to_ask, [], time.time()
         if now - self.last_retry > RETRY_S:  # the oldest, what the backlog takes: all would stall the learner
             waited = itertools.takewhile(lambda text: now - self.asked[text] > RETRY_S, self.asked)
@@ -539,14 +549,15 @@ class IntrinsicReward:
         self.reuse([pair for pair in drawn if pair in self.answered])
         asked = []  # one still waiting is asked again: the annotator's full backlog may have dropped it
         for pair in (pair for pair in drawn if pair not in self.answered):
-            pair = pair[::-1] if pair[::-1] in self.waiting else pair  # one order a pair: the annotator keys by order
-            self.waiting[pair] = self.waiting.pop(pair, 0) + 1  # to the end: the cap below drops the longest unasked
+            pair = pair[::-1] if pair[::-1] in self.waiting else pair  # the annotator keys pairs by order
+            self.waiting[pair] = self.waiting.pop(pair, 0) + 1  # to the end: the cap below drops the oldest
             asked.append(pair)
-        for pair in list(itertools.islice(self.waiting, max(0, len(self.waiting) - 10 * annotator.MAX_BACKLOG))):
+        for pair in list(itertools.islice(self.waiting,
+                                          max(0, len(self.waiting) - 10 * annotator.MAX_BACKLOG))):
             del self.waiting[pair]  # drawn longest ago: answered later, it is trained on once
         return captions, list(dict.fromkeys(asked))
 
-    def state_dict(self) -> dict:  # the counts as arrays: 0.8 s to save at 1e6 messages, 2 s as two dicts
+    def state_dict(self) -> dict:  # the counts as arrays, which save faster than dicts
         texts = list(self.seen)
         return {"pair_pool": self.pair_pool, "pool_offers": self.pool_offers, "steps_seen": self.steps_seen,
                 "rng": self.rng.getstate(), "reused": dict(self.reused), **self.piece.state_dict(),
@@ -556,25 +567,28 @@ class IntrinsicReward:
 
     def load_state_dict(self, state):
         if state:
-            self.pair_pool, self.pool_offers, self.steps_seen = state["pair_pool"], state["pool_offers"], state["steps_seen"]
+            self.pair_pool, self.pool_offers, self.steps_seen = (state["pair_pool"], state["pool_offers"],
+                                                                 state["steps_seen"])
             self.rng.setstate(state["rng"])
             seen = state.get("seen", {})  # (texts, steps, paid, firsts); {text: [steps, paid]} before 2637f62
-            texts, *counts = seen if isinstance(seen, tuple) else (list(seen), *zip(*seen.values())) if seen else ([], [], [])
+            texts, *counts = (seen if isinstance(seen, tuple) else
+                              (list(seen), *zip(*seen.values())) if seen else ([], [], []))
             self.firsts_partial = state.get("firsts_partial", False) or len(counts) < 3
             counts += [[]] * (3 - len(counts))  # no firsts before the pay weights: from the resume on
             self.seen, self.paid, self.firsts = (collections.Counter(dict(zip(texts, np.asarray(c).tolist())))
                                                  for c in counts)
             reused = collections.Counter(state.get("reused", {})).elements()  # their answers came back before
-            self.reuse([pair for pair in reused if pair in self.answered])  # (one lost in a crash: not trained on)
+            self.reuse([pair for pair in reused if pair in self.answered])  # (a crash may have lost some)
             self.piece.load_state_dict({**state, "firsts": self.firsts})
 
     def write_messages(self, path):
         """messages.tsv: every message seen, most paid first: its steps, LLM label, R now, R / N^beta paid in
         all, and its pay weight (1 / N^beta summed: what R = 1 would have paid, ~ the episodes it was in),
-        named firsts_since_resume where a resume of an older checkpoint started it late (readers estimate it)."""
+        named firsts_since_resume where an older checkpoint's resume started it late (readers estimate it)."""
         texts = sorted(self.seen, key=lambda t: (-self.paid[t], -self.seen[t], t))
         chunks = [texts[i:i + 4096] for i in range(0, len(texts), 4096)]
-        values = [v for chunk in chunks for v in self.piece.score(to_rows(chunk, self.device), chunk).tolist()]
+        values = [v for chunk in chunks
+                  for v in self.piece.score(to_rows(chunk, self.device), chunk).tolist()]
         with open(path, "w") as f:
             weights = "firsts_since_resume" if self.firsts_partial else "firsts"
             f.write(f"message\tsteps\tlabel\treward_now\tpaid\t{weights}\n")

@@ -34,6 +34,8 @@ import sys
 import tempfile
 import time
 
+import common
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CASES = ("captions", "unanswered", "pairs", "http")
 T, B, COMMON = 32, 32, 50  # a learner batch of 1,024 steps (oni_appo's default), 50 common messages
@@ -259,11 +261,8 @@ def show(value, key):
 def run_case(tree, case, n, args):
     opts = {k: getattr(args, k) for k in ("new_per_update", "pairs_per_update", "captions_reward", "llm_concurrency",
                                           "http_timeout")}
-    command = [sys.executable, os.path.abspath(__file__), "--measure", json.dumps([tree, case, n, opts])]
-    result = subprocess.run(command, capture_output=True, text=True, cwd=tree)
-    if result.returncode:
-        raise SystemExit(f"error: {case} on {tree} failed:\n{result.stderr[-3000:]}")
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return common.run_json([sys.executable, os.path.abspath(__file__), "--measure", json.dumps([tree, case, n, opts])],
+                           tree, case)
 
 
 def main():
@@ -285,13 +284,7 @@ def main():
         sys.path.insert(0, tree)
         print(json.dumps(measure(case, n, opts)))
         return
-    trees = {"now": ROOT}
-    if args.baseline:
-        tree = os.path.join(tempfile.gettempdir(), f"oni-baseline-{args.baseline}")
-        if not os.path.exists(tree):
-            subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", tree, args.baseline], check=True,
-                           capture_output=True)
-        trees = {f"before ({args.baseline})": tree, "now": ROOT}
+    trees = common.trees(args.baseline)
     sizes = {"captions": args.captions, "unanswered": args.captions, "pairs": args.pairs, "http": args.http_captions}
     cases = [c for c in args.cases if sizes[c] > 0]
     print(f"{os.cpu_count()} cores; cases: " + ", ".join(f"{c} {sizes[c]:,}" for c in cases) +

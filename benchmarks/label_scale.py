@@ -18,7 +18,7 @@ intrinsic.state_dict()). The cases:
 - `unanswered`: --captions captions never answered (the LLM unreachable): then one re-ask sweep (label_requests()
   and request() once RETRY_S is past, the pickled size of what it sends), and what a restarted annotator is sent.
 - `pairs`: --pairs pairs drawn by ranking (--pairs-per-update a batch instead of 8), each answered through the table.
-- `http`: --http-captions captions answered by tests/fake_openai.py over HTTP through the annotator (the whole real
+- `http`: --http-captions captions answered by benchmarks/fake_openai.py over HTTP through the annotator (the whole real
   path, at the rate this machine gives; the learner waits for the annotator to keep up, untimed).
 
 --baseline REV runs the same cases on a git worktree of commit REV (this script, that tree's modules), alternating
@@ -29,12 +29,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
 import common
+import fake_openai
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CASES = ("captions", "unanswered", "pairs", "http")
@@ -70,17 +70,6 @@ class TimedLock:
         self.lock.release()
 
 
-def start_fake_llm():
-    """tests/fake_openai.py (this tree's, by path) in a process of its own: its CPU and memory are not the learner's."""
-    code = ("import importlib.util, sys, time\n"
-            f"spec = importlib.util.spec_from_file_location('fake_openai', {os.path.join(ROOT, 'tests', 'fake_openai.py')!r})\n"
-            "fake = importlib.util.module_from_spec(spec); spec.loader.exec_module(fake)\n"
-            "server = fake.FakeOpenAI(model='fake-instruct').start()\n"
-            "print(server.url, flush=True); sys.stdin.read()\n")
-    process = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    return process, process.stdout.readline().strip()
-
-
 def unreachable_url():
     import socket
     with socket.socket() as s:  # a port nothing listens on: every request is refused at once
@@ -105,7 +94,7 @@ def measure(case, n, opts):
         reward_models.PAIRS_PER_BATCH = opts["pairs_per_update"]
     fake = None
     if case == "http":
-        fake, url = start_fake_llm()
+        fake, url = fake_openai.serve_apart(model="fake-instruct")  # this tree's, whichever tree is measured
     else:
         url = unreachable_url()
     reward_type = "ranking" if case == "pairs" else opts["captions_reward"]

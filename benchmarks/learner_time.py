@@ -1,5 +1,5 @@
 """Where the learner thread's time goes in a real training run, per update: `--reward-type none` and
-`ranking` (its LLM an instant stub server in a process of its own, tests/fake_openai.py), one after the other.
+`ranking` (its LLM an instant stub server in a process of its own, benchmarks/fake_openai.py), one after the other.
 
     python benchmarks/learner_time.py --steps 50000
 
@@ -10,16 +10,16 @@ is ms per update. What ranking adds to none there is ONI's cost on the learner's
 """
 import argparse
 import collections
-import multiprocessing
 import os
 import sys
 import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+sys.path.insert(0, ROOT)
 
 import annotator  # noqa: E402
+import fake_openai  # noqa: E402
 import oni_appo  # noqa: E402
 import reward_models  # noqa: E402
 
@@ -39,12 +39,6 @@ def timed(function, key):
     return wrapper
 
 
-def serve_stub(urls):  # in a process of its own, as an LLM server elsewhere: not on the learner's GIL
-    from fake_openai import FakeOpenAI
-    urls.put(FakeOpenAI().start().url)
-    time.sleep(1e9)
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=50_000)
@@ -54,12 +48,9 @@ def main():
     args = parser.parse_args()
     for owner, name in TIMED:
         setattr(owner, name, timed(getattr(owner, name), f"{getattr(owner, '__name__', '')}.{name}".lstrip(".")))
-    ctx = multiprocessing.get_context("spawn")
-    urls = ctx.Queue()
-    stub = ctx.Process(target=serve_stub, args=(urls,), daemon=True)
-    stub.start()
+    stub, url = fake_openai.serve_apart()  # not on the learner's GIL
     columns = {}
-    for kind, extra in (("none", []), ("ranking", ["--llm-url", urls.get(timeout=60)])):
+    for kind, extra in (("none", []), ("ranking", ["--llm-url", url])):
         SPENT.clear()
         summary = oni_appo.train(oni_appo.parse_args(
             ["--reward-type", kind, *extra, "--total-env-steps", str(args.steps), "--num-workers", str(args.num_workers),
@@ -67,7 +58,8 @@ def main():
              *args.oni_args.split()]))
         columns[kind] = {key: 1e3 * value / summary["updates"] for key, value in SPENT.items()}
         columns[kind]["steps/s"] = summary.get("session_sps", summary["sps"])  # collected a second
-    stub.terminate()
+    stub.stdin.close()
+    stub.wait()
     print(f"| ms per update | none | ranking |\n|---|---|---|")
     for key in sorted(set(columns["none"]) | set(columns["ranking"]), key=lambda k: -columns["ranking"].get(k, 0)):
         print(f"| {key} | {columns['none'].get(key, 0):.1f} | {columns['ranking'].get(key, 0):.1f} |")

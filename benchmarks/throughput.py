@@ -8,7 +8,7 @@
 
 Rows: raw NLE (random actions, the same observation keys and 28 actions) on --num-workers
 processes; `oni_appo.py --reward-type none`; and, with --llm, `--reward-type ranking` (annotation
-and reward-model training on). `stub` answers instantly from this process (tests/fake_openai.py):
+and reward-model training on). `stub` answers instantly from this process (benchmarks/fake_openai.py):
 it stands for an LLM server on other hardware, so the ratio measures our side of ONI only.
 --baseline REV runs `--reward-type none` from a git worktree of commit REV, alternating with this
 tree (--repeats times each), and prints steps/s and mean policy lag (tensorboard charts/policy_lag_mean
@@ -169,7 +169,6 @@ def main():
     if args.llm:
         stub = None
         if args.llm == "stub":
-            sys.path.insert(0, os.path.join(ROOT, "tests"))
             from fake_openai import FakeOpenAI
             stub = FakeOpenAI().start()
             url_args = ["--llm-url", stub.url]

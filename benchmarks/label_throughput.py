@@ -6,7 +6,7 @@
 An LLM server is stood in for by benchmarks/fake_openai.py with a fixed latency per request (--latency,
 2 s: an 8B instruct model reasoning before it answers, on a vLLM that batches all the requests it
 gets). The distinct messages of a recorded run (messages.tsv: message, steps, ...; by default the
-reward-free 500k-step runs of benchmarks/learning_curves.py under results/curves/) arrive as they
+reward-free 500k-step runs of learning_curves.py under results/curves/) arrive as they
 would in a run at --steps-per-s: (distinct messages / steps of the recorded run) x steps-per-s new
 ones a second, evenly spaced, in a random order (once all were shown they come again, made new by a
 suffix). A real run finds new messages faster at first and slower later: this is its average rate.

@@ -159,8 +159,8 @@ class FakeOpenAI:
 
 
 def serve_apart(model="fake-base"):
-    """A FakeOpenAI in a process of its own, as an LLM server elsewhere (its CPU and memory are not the caller's):
-    (the process, its URL). Closing the process's stdin stops it."""
+    """A FakeOpenAI in a process of its own, as an LLM server elsewhere (its CPU and memory are not the
+    caller's): (the process, its URL). Closing the process's stdin stops it."""
     process = subprocess.Popen([sys.executable, os.path.abspath(__file__), model], stdin=subprocess.PIPE,
                                stdout=subprocess.PIPE, text=True)
     return process, process.stdout.readline().strip()

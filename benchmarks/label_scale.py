@@ -18,8 +18,8 @@ intrinsic.state_dict()). The cases:
 - `unanswered`: --captions captions never answered (the LLM unreachable): then one re-ask sweep (label_requests()
   and request() once RETRY_S is past, the pickled size of what it sends), and what a restarted annotator is sent.
 - `pairs`: --pairs pairs drawn by ranking (--pairs-per-update a batch instead of 8), each answered through the table.
-- `http`: --http-captions captions answered by benchmarks/fake_openai.py over HTTP through the annotator (the whole real
-  path, at the rate this machine gives; the learner waits for the annotator to keep up, untimed).
+- `http`: --http-captions captions answered by benchmarks/fake_openai.py over HTTP through the annotator (the
+  whole real path, at the rate this machine gives; the learner waits for the annotator to keep up, untimed).
 
 --baseline REV runs the same cases on a git worktree of commit REV (this script, that tree's modules), alternating
 with this tree, and prints both side by side. Only the learner thread's own work is timed; everything runs on the
@@ -250,8 +250,8 @@ def show(value, key):
 def run_case(tree, case, n, args):
     opts = {k: getattr(args, k) for k in ("new_per_update", "pairs_per_update", "captions_reward", "llm_concurrency",
                                           "http_timeout")}
-    return common.run_json([sys.executable, os.path.abspath(__file__), "--measure", json.dumps([tree, case, n, opts])],
-                           tree, case)
+    command = [sys.executable, os.path.abspath(__file__), "--measure", json.dumps([tree, case, n, opts])]
+    return common.run_json(command, tree, case)
 
 
 def main():

@@ -171,7 +171,8 @@ def measure(workers, envs_per_worker, batch_size, opts):
 
 def run_point(tree, point, opts):
     script = os.path.join(tree, "benchmarks", os.path.basename(__file__))  # the tree's own: it knows its processes
-    return common.run_json([sys.executable, script, "--measure", json.dumps([tree, *point, opts])], tree, point)
+    command = [sys.executable, script, "--measure", json.dumps([tree, *point, opts])]
+    return common.run_json(command, tree, point)
 
 
 def show(value, form):

@@ -131,8 +131,8 @@ def compare(baseline, args):
     for name, m in mean.items():
         print(f"{'none, ' + name:48s} {m['sps']:10,.0f} steps/s  mean policy lag {m['lag_mean']:.2f} updates")
     before, now = mean.values()
-    print(f"ratio now / before: {now['sps'] / before['sps']:.3f} steps/s, {now['lag_mean'] / before['lag_mean']:.2f} "
-          "policy lag")
+    print(f"ratio now / before: {now['sps'] / before['sps']:.3f} steps/s, "
+          f"{now['lag_mean'] / before['lag_mean']:.2f} policy lag")
 
 
 def main():

@@ -142,3 +142,10 @@ def test_classifier_replay_replays_a_run_s_labels_through_the_classifier_and_its
     assert len(shares) == 8 and all(0 <= share <= 1 for share in shares)
     assert shares[0] > 0  # with no console.log the labels are spread evenly (every run average was 0)
     assert "paid most against its label" in result.stdout
+
+def test_a_baseline_git_does_not_know_stops_the_benchmark_with_a_one_line_error():
+    result = subprocess.run([sys.executable, "benchmarks/classifier_replay.py", "no-run", "--baseline", "no-such-rev"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and result.stdout == ""  # before any measurement
+    assert result.stderr.startswith("error: --baseline no-such-rev: no worktree of it: ")
+    assert result.stderr.count("\n") == 1

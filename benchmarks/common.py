@@ -1,4 +1,5 @@
-"""What the benchmarks share: the trees a `--baseline REV` run measures side by side."""
+"""What the benchmarks share: the trees a `--baseline REV` run measures side by side, and a measurement in a
+process of its own."""
 import json
 import os
 import subprocess
@@ -18,7 +19,7 @@ def trees(baseline: str | None) -> dict[str, str]:
         made = subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", tree, baseline],
                               capture_output=True, text=True)
         if made.returncode:
-            why = made.stderr.strip().splitlines()[-1]
+            why = made.stderr.strip().rsplit("\n", 1)[-1]
             raise SystemExit(f"error: --baseline {baseline}: no worktree of it: {why}")
     return {f"before ({baseline})": tree, "now": ROOT}
 

@@ -172,7 +172,7 @@ def measure(workers, envs_per_worker, batch_size, opts):
 def run_point(tree, point, opts):
     script = os.path.join(tree, "benchmarks", os.path.basename(__file__))  # the tree's own: it knows its processes
     command = [sys.executable, script, "--measure", json.dumps([tree, *point, opts])]
-    return common.run_json(command, tree, point)
+    return common.run_json(command, tree, "x".join(map(str, point)))
 
 
 def show(value, form):

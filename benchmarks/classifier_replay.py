@@ -28,9 +28,9 @@ import itertools
 import json
 import os
 import re
-import subprocess
 import sys
-import tempfile
+
+import common
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHUNK = 25
@@ -138,14 +138,7 @@ def main():
         import runs
         print(json.dumps(replay(args.runs[0], args.seed, sets, args.weigh, args.hand or runs.LABEL_SETS)))
         return
-    trees = {"now": ROOT}
-    if args.baseline:
-        # shared with the other benchmarks
-        tree = os.path.join(tempfile.gettempdir(), f"oni-baseline-{args.baseline}")
-        if not os.path.isdir(tree):
-            subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", tree, args.baseline],
-                           check=True, capture_output=True)
-        trees = {f"before ({args.baseline})": tree, **trees}
+    trees = common.trees(args.baseline)
     print(f"candidate: {' '.join(args.set) or 'as committed'}, weighed by {args.weigh}; pay: helpful "
           f"kept, unhelpful share (run avg / end / by hand labels)\n| code | run | model steps | gate on | "
           "accuracy on its labels | helpful pay kept | unhelpful pay share | helpful steps kept | unhelpful "
@@ -153,8 +146,7 @@ def main():
     for run, (name, tree) in itertools.product(args.runs, trees.items()):
         case = [sys.executable, __file__, os.path.abspath(run), "--case", tree, "--seed", str(args.seed),
                 "--weigh", args.weigh, *(["--hand", args.hand] if args.hand else []), "--set", *args.set]
-        out = subprocess.run(case, check=True, stdout=subprocess.PIPE, text=True, cwd=tree).stdout
-        r = json.loads(out.splitlines()[-1])
+        r = common.run_json(case, tree, run)
         print(f"| {name} | {run} | {r['model_steps']} | {r['on']:.2f} of {r['publications']} | "
               f"{r['accuracy']:.3f} ({r['wrong_labels']} wrong) | {r['pay_kept']:.3f} / "
               f"{r['end_kept']:.3f} / {r['hand_kept']:.3f} | {r['pay_against']:.3f} / "

@@ -18,8 +18,8 @@ intrinsic.state_dict()). The cases:
 - `unanswered`: --captions captions never answered (the LLM unreachable): then one re-ask sweep (label_requests()
   and request() once RETRY_S is past, the pickled size of what it sends), and what a restarted annotator is sent.
 - `pairs`: --pairs pairs drawn by ranking (--pairs-per-update a batch instead of 8), each answered through the table.
-- `http`: --http-captions captions answered by tests/fake_openai.py over HTTP through the annotator (the whole real
-  path, at the rate this machine gives; the learner waits for the annotator to keep up, untimed).
+- `http`: --http-captions captions answered by benchmarks/fake_openai.py over HTTP through the annotator (the
+  whole real path, at the rate this machine gives; the learner waits for the annotator to keep up, untimed).
 
 --baseline REV runs the same cases on a git worktree of commit REV (this script, that tree's modules), alternating
 with this tree, and prints both side by side. Only the learner thread's own work is timed; everything runs on the
@@ -29,10 +29,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
+
+import common
+import fake_openai
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CASES = ("captions", "unanswered", "pairs", "http")
@@ -68,17 +70,6 @@ class TimedLock:
         self.lock.release()
 
 
-def start_fake_llm():
-    """tests/fake_openai.py (this tree's, by path) in a process of its own: its CPU and memory are not the learner's."""
-    code = ("import importlib.util, sys, time\n"
-            f"spec = importlib.util.spec_from_file_location('fake_openai', {os.path.join(ROOT, 'tests', 'fake_openai.py')!r})\n"
-            "fake = importlib.util.module_from_spec(spec); spec.loader.exec_module(fake)\n"
-            "server = fake.FakeOpenAI(model='fake-instruct').start()\n"
-            "print(server.url, flush=True); sys.stdin.read()\n")
-    process = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    return process, process.stdout.readline().strip()
-
-
 def unreachable_url():
     import socket
     with socket.socket() as s:  # a port nothing listens on: every request is refused at once
@@ -103,7 +94,7 @@ def measure(case, n, opts):
         reward_models.PAIRS_PER_BATCH = opts["pairs_per_update"]
     fake = None
     if case == "http":
-        fake, url = start_fake_llm()
+        fake, url = fake_openai.serve_apart(model="fake-instruct")  # this tree's, whichever tree is measured
     else:
         url = unreachable_url()
     reward_type = "ranking" if case == "pairs" else opts["captions_reward"]
@@ -260,10 +251,7 @@ def run_case(tree, case, n, args):
     opts = {k: getattr(args, k) for k in ("new_per_update", "pairs_per_update", "captions_reward", "llm_concurrency",
                                           "http_timeout")}
     command = [sys.executable, os.path.abspath(__file__), "--measure", json.dumps([tree, case, n, opts])]
-    result = subprocess.run(command, capture_output=True, text=True, cwd=tree)
-    if result.returncode:
-        raise SystemExit(f"error: {case} on {tree} failed:\n{result.stderr[-3000:]}")
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return common.run_json(command, tree, case)
 
 
 def main():
@@ -285,13 +273,7 @@ def main():
         sys.path.insert(0, tree)
         print(json.dumps(measure(case, n, opts)))
         return
-    trees = {"now": ROOT}
-    if args.baseline:
-        tree = os.path.join(tempfile.gettempdir(), f"oni-baseline-{args.baseline}")
-        if not os.path.exists(tree):
-            subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", tree, args.baseline], check=True,
-                           capture_output=True)
-        trees = {f"before ({args.baseline})": tree, "now": ROOT}
+    trees = common.trees(args.baseline)
     sizes = {"captions": args.captions, "unanswered": args.captions, "pairs": args.pairs, "http": args.http_captions}
     cases = [c for c in args.cases if sizes[c] > 0]
     print(f"{os.cpu_count()} cores; cases: " + ", ".join(f"{c} {sizes[c]:,}" for c in cases) +

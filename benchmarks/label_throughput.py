@@ -3,10 +3,10 @@
     python benchmarks/label_throughput.py          # latency 2 s; --llm-concurrency 4, then 64; 80 s each
     python benchmarks/label_throughput.py --concurrency 512 1024 --messages RUN_DIR/messages.tsv
 
-An LLM server is stood in for by tests/fake_openai.py with a fixed latency per request (--latency,
+An LLM server is stood in for by benchmarks/fake_openai.py with a fixed latency per request (--latency,
 2 s: an 8B instruct model reasoning before it answers, on a vLLM that batches all the requests it
 gets). The distinct messages of a recorded run (messages.tsv: message, steps, ...; by default the
-reward-free 500k-step runs of benchmarks/learning_curves.py under results/curves/) arrive as they
+reward-free 500k-step runs of learning_curves.py under results/curves/) arrive as they
 would in a run at --steps-per-s: (distinct messages / steps of the recorded run) x steps-per-s new
 ones a second, evenly spaced, in a random order (once all were shown they come again, made new by a
 suffix). A real run finds new messages faster at first and slower later: this is its average rate.
@@ -28,7 +28,7 @@ import time
 from types import SimpleNamespace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+sys.path.insert(0, ROOT)
 
 import annotator  # noqa: E402
 from fake_openai import FakeOpenAI  # noqa: E402

@@ -25,7 +25,6 @@ import itertools
 import json
 import multiprocessing
 import os
-import subprocess
 import sys
 import tempfile
 import threading
@@ -37,6 +36,8 @@ if "--measure" in sys.argv:  # as this tree's oni_appo.py sets it before torch l
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn as nn
+
+import common  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROLLOUT = 32  # oni_appo's default --rollout, which the grid keeps
@@ -171,10 +172,7 @@ def measure(workers, envs_per_worker, batch_size, opts):
 def run_point(tree, point, opts):
     script = os.path.join(tree, "benchmarks", os.path.basename(__file__))  # the tree's own: it knows its processes
     command = [sys.executable, script, "--measure", json.dumps([tree, *point, opts])]
-    result = subprocess.run(command, capture_output=True, text=True, cwd=tree)
-    if result.returncode:
-        raise SystemExit(f"error: {point} on {tree} failed:\n{result.stderr[-3000:]}")
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    return common.run_json(command, tree, "x".join(map(str, point)))
 
 
 def show(value, form):
@@ -222,13 +220,7 @@ def main():
         sys.path.insert(0, tree)
         print(json.dumps(measure(*point, opts)))
         return
-    trees = {"now": ROOT}
-    if args.baseline:
-        tree = os.path.join(tempfile.gettempdir(), f"oni-baseline-{args.baseline}")  # shared with the other benchmarks
-        if not os.path.exists(tree):
-            subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", tree, args.baseline], check=True,
-                           capture_output=True)
-        trees = {f"before ({args.baseline})": tree, "now": ROOT}
+    trees = common.trees(args.baseline)
     grid = [p for p in itertools.product(args.num_workers, args.num_envs_per_worker, args.batch_size)
             if p[2] % (ROLLOUT * p[1] // 2) == 0]
     opts = {k: getattr(args, k) for k in ("seconds", "warmup", "threads", "device")}

@@ -8,7 +8,7 @@
 
 Rows: raw NLE (random actions, the same observation keys and 28 actions) on --num-workers
 processes; `oni_appo.py --reward-type none`; and, with --llm, `--reward-type ranking` (annotation
-and reward-model training on). `stub` answers instantly from this process (tests/fake_openai.py):
+and reward-model training on). `stub` answers instantly from this process (benchmarks/fake_openai.py):
 it stands for an LLM server on other hardware, so the ratio measures our side of ONI only.
 --baseline REV runs `--reward-type none` from a git worktree of commit REV, alternating with this
 tree (--repeats times each), and prints steps/s and mean policy lag (tensorboard charts/policy_lag_mean
@@ -25,6 +25,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+import common
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -114,25 +116,23 @@ def train(extra, steps, workers, envs_per_worker, root=ROOT, collection=False, b
 
 
 def compare(baseline, args):
-    """This tree against a git worktree of commit `baseline`, runs alternated, --reward-type none."""
-    tree = os.path.join(tempfile.gettempdir(), f"oni-baseline-{baseline}")
-    if not os.path.exists(tree):
-        subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", tree, baseline], check=True,
-                       capture_output=True)
+    """A git worktree of commit `baseline` against this tree, runs alternated, --reward-type none."""
     import oni_appo  # both trees run this tree's configuration: the defaults of envs and batch changed in 53085a2
     resolved = oni_appo.parse_args(["--num-workers", str(args.num_workers)])
     envs_per_worker, batch_size = args.num_envs_per_worker or resolved.num_envs_per_worker, args.batch_size or resolved.batch_size
-    results = {"this tree": [], baseline: []}
+    trees = common.trees(baseline)
+    results = {name: [] for name in trees}
     for _ in range(args.repeats):
-        for name, root in (("this tree", ROOT), (baseline, tree)):
+        for name, root in trees.items():
             s = train(["--reward-type", "none"], args.steps, args.num_workers, envs_per_worker, root, batch_size=batch_size)
             results[name].append(s)
-            print(f"  {name:12s} {s['sps']:8,.0f} steps/s  policy lag {s['lag_mean']:.2f}", flush=True)
+            print(f"  {name:18s} {s['sps']:8,.0f} steps/s  policy lag {s['lag_mean']:.2f}", flush=True)
     mean = {k: {m: sum(s[m] for s in v) / len(v) for m in ("sps", "lag_mean")} for k, v in results.items()}
     for name, m in mean.items():
         print(f"{'none, ' + name:48s} {m['sps']:10,.0f} steps/s  mean policy lag {m['lag_mean']:.2f} updates")
-    print(f"ratio this tree / {baseline}: {mean['this tree']['sps'] / mean[baseline]['sps']:.3f} steps/s, "
-          f"{mean['this tree']['lag_mean'] / mean[baseline]['lag_mean']:.2f} policy lag")
+    before, now = mean.values()
+    print(f"ratio now / before: {now['sps'] / before['sps']:.3f} steps/s, "
+          f"{now['lag_mean'] / before['lag_mean']:.2f} policy lag")
 
 
 def main():
@@ -169,7 +169,6 @@ def main():
     if args.llm:
         stub = None
         if args.llm == "stub":
-            sys.path.insert(0, os.path.join(ROOT, "tests"))
             from fake_openai import FakeOpenAI
             stub = FakeOpenAI().start()
             url_args = ["--llm-url", stub.url]

@@ -18,7 +18,7 @@ import pytest
 
 import annotator
 import llm_server
-from fake_openai import TOKENS, FakeOpenAI
+from benchmarks.fake_openai import TOKENS, FakeOpenAI
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CAPTIONS = ["You kill the newt!", "It's a wall.", "You see here 5 gold pieces.",

@@ -329,7 +329,7 @@ def test_sigterm_saves_a_checkpoint_and_stops_the_workers(tmp_path, to_group):
     group, the acting process died at once and the run ended with "the acting process died" (2 runs in 4); the
     Manager died with it and the run ended in a traceback; and the old check for leftovers (pgrep of a parent pid in
     spawn_main's command line) could not match anything."""
-    from fake_openai import FakeOpenAI
+    from benchmarks.fake_openai import FakeOpenAI
     run_dir, fake = str(tmp_path / "run"), FakeOpenAI().start() if to_group else None
     llm = ["--reward-type", "classification", "--llm-url", fake.url] if to_group else []
     proc = subprocess.Popen([sys.executable, "oni_appo.py", *SMALL_RUN, *llm, "--run-dir", run_dir],
@@ -708,7 +708,7 @@ def test_checkpoints_written_during_training_hold_whole_updates(tmp_path, monkey
 
 
 def test_an_llm_error_retrying_cannot_fix_stops_the_run_with_a_checkpoint(tmp_path):
-    from fake_openai import FakeOpenAI
+    from benchmarks.fake_openai import FakeOpenAI
     server = FakeOpenAI().start()
     run_dir = str(tmp_path / "run")
     try:
@@ -748,8 +748,8 @@ def test_a_run_split_by_two_resumes_reports_the_totals_of_its_pieces(tmp_path, m
     wall time, LLM failures, policy lag and the largest reward of one session only. The run's LLM server wants
     a key; each session records what made it. And the labels a session gets are paid in that session: in the
     first, with no labels before it, as in the others."""
-    import fake_openai
-    from fake_openai import FakeOpenAI
+    from benchmarks import fake_openai
+    from benchmarks.fake_openai import FakeOpenAI
     helpful = fake_openai.good  # and the wall, on ~10% of random play's steps: every session shows it
     monkeypatch.setattr(fake_openai, "good", lambda text: "It's a wall." in text or helpful(text))
     fake, run_dir, summaries, failed = FakeOpenAI().start(), str(tmp_path / "run"), [], 0

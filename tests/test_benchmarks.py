@@ -6,9 +6,9 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_profile_update_times_every_stage_of_a_real_update():
-    result = subprocess.run([sys.executable, "benchmarks/profile_update.py", "--batch-size", "64", "--updates", "2"],
-                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+def test_learner_time_update_times_every_stage_of_a_real_update():
+    result = subprocess.run([sys.executable, "benchmarks/learner_time.py", "--update", "--batch-size", "64",
+                             "--updates", "2"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     rows = [line.strip("|").split("|") for line in result.stdout.splitlines() if line.startswith("| ") and "ms" not in line]
     assert [r[0].strip() for r in rows] == ["encoder forward (inside forward + loss)", "GRU unroll + V-trace + loss (forward)",
@@ -20,9 +20,9 @@ def test_profile_update_times_every_stage_of_a_real_update():
     assert all(ms >= 0 for i, ms in enumerate(stages_ms) if i != 1) and abs(sum(stages_ms) - update_ms) < 1
 
 
-def test_profile_update_counts_the_update_arithmetic_and_times_bf16():
-    result = subprocess.run([sys.executable, "benchmarks/profile_update.py", "--batch-size", "64", "--updates", "2", "--bf16"],
-                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+def test_learner_time_update_counts_the_update_arithmetic_and_times_bf16():
+    result = subprocess.run([sys.executable, "benchmarks/learner_time.py", "--update", "--batch-size", "64",
+                             "--updates", "2", "--bf16"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     counted_gflop = float(result.stdout.split("arithmetic: ")[1].split(" GFLOP")[0])
     # by hand: multiply-adds of one forward step (crop convs on 12x12 and 6x6, the linear layers, GRU 512, heads)
@@ -142,3 +142,11 @@ def test_classifier_replay_replays_a_run_s_labels_through_the_classifier_and_its
     assert len(shares) == 8 and all(0 <= share <= 1 for share in shares)
     assert shares[0] > 0  # with no console.log the labels are spread evenly (every run average was 0)
     assert "paid most against its label" in result.stdout
+
+
+def test_a_baseline_git_does_not_know_stops_the_benchmark_with_a_one_line_error():
+    result = subprocess.run([sys.executable, "benchmarks/classifier_replay.py", "no-run", "--baseline", "no-such-rev"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and result.stdout == ""  # before any measurement
+    assert result.stderr.startswith("error: --baseline no-such-rev: no worktree of it: ")
+    assert result.stderr.count("\n") == 1

@@ -14,7 +14,7 @@ import torch
 import evaluate
 import oni_appo
 import reward_models as rm
-from benchmarks import learning_curves
+import learning_curves
 from test_reward_models import LABELLED, STEPS, steps_of
 
 

@@ -1,4 +1,4 @@
-"""benchmarks/learning_curves.py on a synthetic layout: table values by hand, the PNG, old files'
+"""learning_curves.py on a synthetic layout: table values by hand, the PNG, old files'
 missing keys, and which oni_appo.py commands the resumable runner builds (no training)."""
 import json
 import os
@@ -6,7 +6,7 @@ import sys
 
 import torch
 
-from benchmarks import learning_curves as lc
+import learning_curves as lc
 
 
 def write_episodes(path, episodes):

@@ -419,7 +419,7 @@ PREFERRED = [i for i, (t, _) in enumerate(STEPS) if "kill" in t or "gold" in t]
 def test_ranking_rewards_are_bounded_z_scores_from_the_first_rewarded_update(tmp_path):
     """The early edge: a server that prefers kills and gold, 60 learner updates from an untrained model on the
     reference's schedule (8 labelled pairs an update, pairs already answered reused: rewarded from update 26)."""
-    from fake_openai import FakeOpenAI
+    from benchmarks.fake_openai import FakeOpenAI
     from test_annotator import Annotator
     torch.manual_seed(0)
     server = FakeOpenAI().start()
@@ -842,7 +842,7 @@ def test_pairs_waiting_for_an_answer_are_bounded_oldest_dropped(monkeypatch):
 
 
 def test_every_caption_seen_is_labelled_after_the_backlog_overflowed(tmp_path, monkeypatch):
-    from fake_openai import FakeOpenAI
+    from benchmarks.fake_openai import FakeOpenAI
     from test_annotator import Annotator
     monkeypatch.setattr(annotator, "MAX_BACKLOG", 3)
     monkeypatch.setattr(rm, "RETRY_S", 1.0)
@@ -1056,7 +1056,7 @@ def test_an_annotator_restart_asks_again_what_it_had_not_answered(tmp_path):
     unanswered; captions came back after the 60 s re-ask, pairs never."""
     from types import SimpleNamespace
 
-    from fake_openai import FakeOpenAI
+    from benchmarks.fake_openai import FakeOpenAI
     fake = FakeOpenAI().start()
     fake.delay = 0.2  # one request at a time: the rest wait in the backlog when the annotator dies
     try:

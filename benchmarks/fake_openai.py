@@ -1,4 +1,5 @@
-"""A small OpenAI-compatible server on 127.0.0.1 for injecting faults into the annotator.
+"""A small OpenAI-compatible server on 127.0.0.1: the tests inject faults into the annotator with it, and the
+benchmarks stand it in for an LLM server (`serve_apart`: in a process of its own).
 
 It judges like a model would: messages that mention killing or gold are helpful. Named like a base
 model (the default), it answers /completions with " Yes"/" No"; named like an instruct model
@@ -11,7 +12,10 @@ of every (chat) completion, and `max_active` the most of them it answered at onc
 and vLLM with theirs, it answers `key_status` (401) to any request without "Authorization: Bearer KEY";
 `authorizations` holds every request's Authorization header (None: none)."""
 import json
+import os
 import re
+import subprocess
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -152,3 +156,16 @@ class FakeOpenAI:
                 "choices": [{"index": 0, "finish_reason": "stop",
                              "message": {"role": "assistant", "content": text}}],
                 "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
+
+
+def serve_apart(model="fake-base"):
+    """A FakeOpenAI in a process of its own, as an LLM server elsewhere (its CPU and memory are not the
+    caller's): (the process, its URL). Closing the process's stdin stops it."""
+    process = subprocess.Popen([sys.executable, os.path.abspath(__file__), model], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, text=True)
+    return process, process.stdout.readline().strip()
+
+
+if __name__ == "__main__":  # serve_apart's process: it serves until its stdin closes
+    print(FakeOpenAI(model=sys.argv[1]).start().url, flush=True)
+    sys.stdin.read()

@@ -1,11 +1,11 @@
 """Learning curves: train a few configurations of oni_appo.py over seeds, then plot and tabulate them.
 
-    python benchmarks/learning_curves.py                                  # all five configs, seed 1
-    python benchmarks/learning_curves.py --configs free_none free_ranking --seeds 1 2 3
-    python benchmarks/learning_curves.py --steps 2e9 -- --llm-url http://gpu:8000/v1   # the paper's scale
-    python benchmarks/learning_curves.py --plot results/curves/free_none runs/some_run  # only plot
-    python benchmarks/learning_curves.py --eval results/curves/score_extrinsic results/curves/free_ranking
-    python benchmarks/learning_curves.py --eval results/curves/free_retrieval --record   # + first episode's replay
+    python learning_curves.py                                  # all five configs, seed 1
+    python learning_curves.py --configs free_none free_ranking --seeds 1 2 3
+    python learning_curves.py --steps 2e9 -- --llm-url http://gpu:8000/v1   # the paper's scale
+    python learning_curves.py --plot results/curves/free_none runs/some_run  # only plot
+    python learning_curves.py --eval results/curves/score_extrinsic results/curves/free_ranking
+    python learning_curves.py --eval results/curves/free_retrieval --record   # + first episode's replay
 
 Configurations (steps by default):
     score_extrinsic  --task NetHackScoreExtendedActions-v1 --reward-type none           1,000,000
@@ -39,8 +39,7 @@ import warnings
 
 import numpy as np
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)  # for oni_appo (random_games reads a checkpoint with its read_checkpoint)
+ROOT = os.path.dirname(os.path.abspath(__file__))
 SCORE = "NetHackScoreExtendedActions-v1"
 # name: (task, reward type, extrinsic coef (None: oni_appo's default), default env steps)
 CONFIGS = {

@@ -51,12 +51,11 @@ PROMPTS = {
                          "descending, levelling up, finding things):\n"
                          "{examples}Message: {caption}\nProgress:"),
 }
-# A base model copies the labels of similar messages far better than it applies a stated goal, so a
-# completion prompt shows the DEMOS_PER_LABEL messages of each label nearest to the one asked (by character
-# trigrams), nearest last: the judgement comes from this pool, by default the hand-labelled dev split of
-# label_sets.tsv (its test and goal splits never reach a prompt). At 2 a label, even kills scored too low.
+# A base model copies the labels of similar messages far better than it applies a stated goal, so a completion
+# prompt shows the DEMOS_PER_LABEL messages of each label nearest the one asked (by character trigrams) in a
+# pool, by default label_sets.tsv's hand-labelled dev split (its test and goal splits never reach a prompt).
 DEMOS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "label_sets.tsv")
-DEMOS_PER_LABEL = 4
+DEMOS_PER_LABEL = 4  # At 2 a label, even kills scored too low.
 # A message is helpful when its score (Labeler.score) is above THRESHOLD, which `label_quality.py --calibrate`
 # chose: at most 5% of dev's unhelpful steps paid, then the most agreement (benchmarks/README.md).
 THRESHOLD, TIE_MARGIN = 0.80, 0.5  # pairs: see preference()
@@ -133,8 +132,7 @@ def demos_record(path=None) -> dict:  # the pool's file and sha256 (None: unread
 
 
 def demonstrations(caption: str, pool: list, per_label=None) -> str:
-    """The per_label (default DEMOS_PER_LABEL, read at the call) messages of each label in `pool` nearest to
-    `caption`, the nearest last: a small model copies what it read last most."""
+    """Each label's per_label `pool` messages nearest `caption`, nearest last: small models copy it most."""
     per_label, grams = per_label or DEMOS_PER_LABEL, trigrams(caption)
     near = {id(d): similarity(grams, d) for d in pool}
     nearest = [d for label in (1, 0)
@@ -211,8 +209,7 @@ class Labeler:  # turns a caption or pair into a label with one HTTP request to 
         self.key = llm_server.auth_headers()  # sent on every request: a server may want it for each endpoint
 
     def call(self, url, body=None, timeout_s=None):
-        """The JSON answer to a POST of `body` (a GET without one). Plain urllib: the openai package costs
-        several times the CPU a request, and the annotator's one core bounds the labels a second."""
+        """The JSON answer to POST `body` (GET without). Plain urllib: the openai package costs more CPU."""
         data = None if body is None else json.dumps(body).encode()
         headers = {"Content-Type": "application/json", **self.key}
         request = urllib.request.Request(url, data=data, headers=headers)

@@ -16,8 +16,7 @@ OBS_KEYS = ("glyphs", "chars", "colors", "blstats", "message")  # only what is r
 MESSAGE_LEN, DEFAULT_CHARACTER, MAX_EPISODE_STEPS = 256, "mon-hum-neu-mal", 5000
 SUCCESS_REWARD, FROZEN_TIME_PENALTY = 50.0, -0.01  # the goal reached; a score step that took no game time
 
-# At "What do you want to eat/drink? [fgh or ?*]" this action picks the first offered letter, as in the
-# reference; it is the NW move, whose key 'y' also answers yes to "eat it? [ynq]".
+# NW (key 'y': yes to "eat it?") picks the first item at "What do you want to eat/drink?", like the reference.
 CONFIRM_ACTION = ACTIONS.index(nethack.CompassDirection.NW)
 ITEM_PROMPT = re.compile(rb"What do you want to (?:eat|drink)\? \[([a-zA-Z])")
 AGENT_QUESTIONS = (b"eat", b"drink", b"attack", b"direction?", b"pray")  # y/n questions the agent answers
@@ -47,8 +46,7 @@ def monster_glyph(name: str) -> int:
 
 
 class NetHackTask(base.NLE):
-    """One of the paper's tasks. Steps NetHack directly, not through NLE's `step`, to copy only the
-    bottom-line stats each step and to add the extended actions' prompts."""
+    """One of the paper's tasks: steps NetHack itself, not NLE's `step`, to copy less and answer prompts."""
     def __init__(self, task: str, seed: int | None = None, character: str = DEFAULT_CHARACTER,
                  max_episode_steps: int = MAX_EPISODE_STEPS, extra_keys: tuple[str, ...] = (), **nle_kwargs):
         if task not in TASKS:
@@ -104,8 +102,7 @@ class NetHackTask(base.NLE):
                                "xlvl": stats[XLVL], "gold": stats[GOLD], "kills": self._kills,
                                "explored": sum(self._explored.values())}
         if (success or truncated) and not done:
-            # Quitting refills the arrays: keep the last real observation (a truncated episode bootstraps).
-            obs = {k: v.copy() for k, v in obs.items()}
+            obs = {k: v.copy() for k, v in obs.items()}  # Quitting refills them: truncations bootstrap.
             self._quit_game(observation, done)
         return obs, reward, done or success, truncated, info
 
@@ -126,15 +123,14 @@ class NetHackTask(base.NLE):
         return observation, done
 
     def _answer_prompts(self, observation, done):
-        """Skips --More-- (keeping the stairs message or the game's last words), ESCs text prompts and
-        others' questions, notes an eat/drink prompt's first item; every page's message goes to `_texts`."""
+        """Skips --More--, ESCs others' prompts, notes an eat/drink item; each page's text joins `_texts`."""
         kept = None
         while not done:
             internal, text = (observation[self._internal_index],
                               message_bytes(observation[self._message_index]))
             self._texts.append(text)
             if internal[3]:  # xwaitforspace: --More--
-                kept = text if DESCEND_MESSAGE in text else kept
+                kept = text if DESCEND_MESSAGE in text else kept  # the stairs message is kept on screen
                 observation, done = self.nethack.step(SPACE)
             elif internal[2] or internal[1] and not any(q in text for q in AGENT_QUESTIONS):
                 observation, done = self.nethack.step(ESC)  # a line of text (getlin) or another's question

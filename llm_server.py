@@ -20,8 +20,7 @@ import time
 import urllib.request
 
 BACKENDS = ("llama_cpp", "vllm")  # each also the name of the module it needs
-# The key comes from the environment, as OpenAI's clients take theirs: every user of the machine sees a
-# command line (ps), and the run dir keeps no copy. Each server gets it in the variable it reads.
+# The key comes from the environment, as OpenAI's clients take theirs: any user sees a command line (ps).
 KEY_VARIABLE, SERVER_KEY_VARIABLES = "OPENAI_API_KEY", {"llama_cpp": "API_KEY", "vllm": "VLLM_API_KEY"}
 # Looked up once, here: a child between fork and exec must not load libraries. None off Linux.
 PRCTL = getattr(ctypes.CDLL(None), "prctl", None) if sys.platform.startswith("linux") else None

@@ -117,10 +117,9 @@ class Args:
     """wandb project"""
 
 
-# The flags that a resumed run takes from its command line; all others come from the checkpoint.
 RESUME_OVERRIDES = ("total_env_steps", "num_workers", "device", "track", "llm_url", "llm_model",
                     "llm_concurrency", "llm_threads", "prompt_file", "checkpoint_every_s",
-                    "reward_model_share", "trust_checkpoint")
+                    "reward_model_share", "trust_checkpoint")  # A resume takes these from its command line.
 
 
 def fail(message: str):  # A clear one-line error for the user, with no traceback.
@@ -652,8 +651,7 @@ def set_up(args) -> Run:
 def start_acting(run):
     """Starts the acting process deaf to Ctrl-C and SIGTERM (sent to the group): the stop flag stops it."""
     run.full_rollouts, full_rollouts_out = mp.Pipe(duplex=False)
-    free_buffers_in, run.free_buffers = mp.Pipe(duplex=False)
-    # Slot s starts in buffer s.
+    free_buffers_in, run.free_buffers = mp.Pipe(duplex=False)  # Slot s starts in buffer s: the rest are free.
     run.free_buffers.send(list(range(2 * run.args.num_workers, len(run.buffers["h0"]))))
     run.acting = mp.get_context("spawn").Process(target=act_process, args=(  # No daemon: it starts workers.
         run.args, run.buffers, run.weights, full_rollouts_out, free_buffers_in, run.stop,
@@ -887,8 +885,7 @@ def write_checkpoint(state, path):
 
 
 def plain(value):
-    """value in the types torch.load(weights_only=True) reads, so that a checkpoint cannot run code: numpy
-    arrays as tensors, numpy numbers as Python's, other mappings (a Counter) as dicts; else a TypeError."""
+    """value in the types torch.load(weights_only=True) reads, so that a checkpoint cannot run code."""
     if type(value) in SAFE or isinstance(value, torch.Tensor):
         return value
     if isinstance(value, np.ndarray):
@@ -925,8 +922,7 @@ def load_checkpoint(path, agent=None, trust=False):
 
 
 def read_checkpoint(path, trust=False):
-    """A checkpoint file's contents, read with weights_only=True: a shared one cannot run code. One that needs
-    pickle (older, or crafted) is refused unless trust: then read with it once, rewritten safe."""
+    """The contents, read weights_only: a shared file cannot run code; one that needs pickle only if trust."""
     try:
         with warnings.catch_warnings(action="ignore"):  # Torch's warning on pickles: the error says enough.
             return torch.load(path, map_location="cpu", weights_only=True)
@@ -957,8 +953,7 @@ def resume(args, agent, optimizer, intrinsic, counters):
     _, checkpoint, _ = load_checkpoint(args.resume, agent)
     optimizer.load_state_dict(checkpoint["optimizer"])
     saved = checkpoint["counters"]
-    # Collection starts again at the steps learned, which checkpoints older than learned_steps call env_steps.
-    steps = saved.get("learned_steps", saved.get("env_steps", 0))
+    steps = saved.get("learned_steps", saved.get("env_steps", 0))  # Older checkpoints call it env_steps.
     counters.update(collected_steps=steps, updates=saved.get("updates", 0), episodes=saved.get("episodes", 0))
     episodes = os.path.join(args.run_dir, "episodes.jsonl")
     if os.path.exists(episodes):  # The steps after the checkpoint are played again, their episodes too.
@@ -1010,8 +1005,7 @@ def finish(run):
     llm = run.client.stats() if run.client is not None else {}
     if llm.get("model"):  # The model the server answered as, and where the embedded one was.
         run.sessions[-1]["llm"].update(urls=run.client.urls, model=llm["model"])
-    # The client is closed: these are the run's totals, the next resume goes on from them, and this session's
-    # time ends at the save, so that the sessions' times sum to the run's.
+    # The client is closed: final totals; this session's time ends here, so sessions' times sum to the run's.
     totals = save(run)
     run.intrinsic.write_messages(os.path.join(args.run_dir, "messages.tsv"))
     elapsed = totals["wall_time_s"] - run.saved_totals.get("wall_time_s", 0.0)

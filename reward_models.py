@@ -36,8 +36,7 @@ GATE_MESSAGES = 1024  # the gate judges the labels of each class paid most: the 
 RETRY_S = 60.0  # a caption still unanswered this long after it was asked is asked again
 
 
-def to_rows(texts: list[str], device="cpu") -> torch.Tensor:
-    """Messages (latin-1 text) -> [N, 256] uint8, zero padded."""
+def to_rows(texts: list[str], device="cpu") -> torch.Tensor:  # Latin-1 text -> [N, 256] uint8, zero padded.
     raw = np.array([t.encode("latin-1", "replace")[:envs.MESSAGE_LEN] for t in texts],
                    dtype=f"S{envs.MESSAGE_LEN}")
     return torch.from_numpy(raw.view(np.uint8).reshape(len(texts), envs.MESSAGE_LEN)).to(device)
@@ -60,8 +59,7 @@ def unique_rows(rows: np.ndarray):
     return unique.view(np.uint8).reshape(len(unique), rows.shape[1]), inverse.ravel(), counts
 
 
-def outputs(model, texts, device):
-    """The model's outputs for texts, each distinct message encoded once (minibatches repeat them)."""
+def outputs(model, texts, device):  # Each distinct message is encoded once: minibatches repeat them.
     index = {t: i for i, t in enumerate(dict.fromkeys(texts))}
     return model(to_rows(list(index), device))[torch.tensor([index[t] for t in texts], device=device)]
 
@@ -132,16 +130,14 @@ class NoReward:
     def load_state_dict(self, state): pass
 
 
-class Retrieval(NoReward):
-    """ONI-Retrieval: R = the LLM's label of the message (1 helpful, 0 not), 0 while unlabelled."""
+class Retrieval(NoReward):  # ONI-Retrieval: R = the LLM's label (1 helpful, 0 not), 0 while unlabelled.
     asks = "captions"
 
     def score(self, rows, texts):
         return torch.tensor([self.labels.get(t, 0.0) for t in texts], device=self.device)
 
 
-class Ellm(NoReward):
-    """ELLM-BoW: R = cosine(message, goal) with the packaged all-MiniLM-L6-v2 (no download)."""
+class Ellm(NoReward):  # ELLM-BoW: R = cosine(message, goal) with the packaged all-MiniLM-L6-v2 (no download).
     def __init__(self, args, device):
         super().__init__(args, device)
         try:
@@ -189,8 +185,7 @@ class TrainedModel(NoReward):
                 else self.reward(published, rows))
 
     def train_now(self, steps=None, batch_size=256, share=1.0) -> int:
-        """A burst and its publication (the thread's loop; tests call it), resting so that training takes
-        at most `share` of wall time; the steps, unless given, by the reference's schedule."""
+        """A burst, published (the thread's loop; tests call it); the steps by the reference's schedule."""
         if steps is None:
             with self.lock:
                 if self.ready():
@@ -319,8 +314,7 @@ class Classification(TrainedModel):
     def scoring(self, model):  # It pays once, as published (eval mode), its pay goes where its labels say.
         with self.lock:  # Only the keys are copied under it: copying the weights too held the learner up.
             keys = self.keys[:]  # Each read below is atomic.
-        # A label never seen (--labels-from) weighs one, a seen one its pay: a floor of one under the pay
-        # would double the weight of each of the many rare labels seen in a single episode.
+        # An unseen label (--labels-from) weighs one, a seen one its pay: a floor of 1 would double rare ones.
         weight = lambda text, pay=self.pay.get: pay(text, 0.0) or 1.0
         label, texts = self.labels.get, []  # the same messages at every publication while the weights stand
         for c in (0.0, 1.0):
@@ -478,17 +472,15 @@ class IntrinsicReward:
         return mix(env_reward, paid, self.args), paid, stats
 
     def offered(self, inverse, weights, nonempty):
-        """The steps whose non-empty messages enter the pair pool, each with probability its pay weight
-        1/N^beta, so that pairs are drawn as the count normalization pays: a kill seen once an episode is
-        compared as often as a wall bumped into 50 times. --raw-ranking: every 10th step."""
+        """The steps whose non-empty messages enter the pair pool, each with probability 1/N^beta (its pay
+        weight): pairs are drawn as it pays, a kill seen once an episode as often as a wall hit 50 times."""
         if self.args.raw_ranking:
             steps = inverse[(-self.steps_seen) % PAIR_POOL_EVERY::PAIR_POOL_EVERY]
             return steps[nonempty[steps]]
         steps, weights = inverse[nonempty[inverse]], weights[nonempty[inverse]]
         return steps[np.array([self.rng.random() < w for w in weights.tolist()], dtype=bool)]
 
-    def add_to_pool(self, text):
-        """Reservoir sampling: the bounded pool stays a uniform sample of every step offered."""
+    def add_to_pool(self, text):  # Reservoir sampling: the pool stays a uniform sample of every step offered.
         self.pool_offers += 1
         if len(self.pair_pool) < PAIR_POOL_SIZE:
             self.pair_pool.append(text)
@@ -496,8 +488,7 @@ class IntrinsicReward:
             self.pair_pool[j] = text
 
     def draw_pair(self):
-        """Two messages of the pool's steps, the second drawn again while it is the first (the pool repeats
-        common messages: self-pairs would cost them pairs); None if 100 draws could not differ."""
+        """Two distinct messages (the pool repeats common ones: self-pairs would cost them pairs), or None."""
         first = self.rng.choice(self.pair_pool)
         for _ in range(100):
             if (second := self.rng.choice(self.pair_pool)) != first:

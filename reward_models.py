@@ -499,8 +499,8 @@ class IntrinsicReward:
         self.piece.add_labels([{"pair": list(pair), "preference": self.answered[pair]} for pair in pairs])
 
     def exchange(self, client, stopping=False) -> tuple[list[str], list[tuple[str, str]]]:
-        """Once an update: asks a restarted annotator again, adds the new labels, sends what to ask now. A fatal
-        LLM error (a wrong key, say) raises SystemExit from client.check(): the learner saves and stops."""
+        """Once an update: asks a restarted annotator again, adds the new labels, sends what to ask now. A
+        fatal LLM error (a wrong key, say) raises SystemExit from client.check(): the learner saves, stops."""
         if not stopping and client.check():  # no restart in a stop: the SIGTERM to the group killed it
             client.request(*self.unanswered())
         self.add_labels(client.new_records())

@@ -278,8 +278,9 @@ class Labeler:  # turns a caption or pair into a label with one HTTP request to 
         return label if label is UNPARSEABLE else THRESHOLD + (1.0 if label else -1.0)
 
     def ask(self, item, server=0):  # the parsed answer about a caption (str) or a (first, second) pair
-        is_pair = isinstance(item, tuple)  # Asked as the pool holds messages: without a prompt's trailing space,
-        item = tuple(m.strip() for m in item) if is_pair else item.strip()  # which moves a small model's score.
+        is_pair = isinstance(item, tuple)
+        # Asked as the pool holds messages, without a prompt's trailing space: it moves a small model's score.
+        item = tuple(m.strip() for m in item) if is_pair else item.strip()
         if self.style == "chat":
             kind, fields = (("pair", {"first": item[0], "second": item[1]}) if is_pair
                             else ("label", {"caption": item}))

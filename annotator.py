@@ -56,8 +56,8 @@ PROMPTS = {
 # pool, by default label_sets.tsv's hand-labelled dev split (its test and goal splits never reach a prompt).
 DEMOS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "label_sets.tsv")
 DEMOS_PER_LABEL = 4  # At 2 a label, even kills scored too low.
-# A message is helpful when its score (Labeler.score) is above THRESHOLD, which `label_quality.py --calibrate`
-# chose: at most 5% of dev's unhelpful steps paid, then the most agreement (benchmarks/README.md).
+# A message is helpful when its score (Labeler.score) > THRESHOLD, which `label_quality.py --calibrate` chose:
+# at most 5% of dev's unhelpful steps paid, then most agreement + helpful steps paid (benchmarks/README.md).
 THRESHOLD, TIE_MARGIN = 0.80, 0.5  # pairs: see preference()
 LABEL_TAG = re.compile(r"<label>\s*(FOO|BAR)\s*</label>", re.IGNORECASE)
 PREFERENCE = re.compile(r"best_description\"?\s*:\s*\"?(1|2|None)", re.IGNORECASE)
@@ -132,8 +132,8 @@ def demos_record(path=None) -> dict:  # the pool's file and sha256 (None: unread
 
 
 def demonstrations(caption: str, pool: list, per_label=None) -> str:
-    """Each label's per_label `pool` messages nearest `caption`, nearest last: small models copy it most."""
-    per_label, grams = per_label or DEMOS_PER_LABEL, trigrams(caption)
+    """Each label's per_label `pool` messages nearest `caption`, nearest last: small models copy the last."""
+    per_label, grams = per_label or DEMOS_PER_LABEL, trigrams(caption)  # read now: label_quality sets it
     near = {id(d): similarity(grams, d) for d in pool}
     nearest = [d for label in (1, 0)
                for d in sorted((d for d in pool if d[1] == label), key=lambda d: near[id(d)])[-per_label:]]
@@ -209,7 +209,7 @@ class Labeler:  # turns a caption or pair into a label with one HTTP request to 
         self.key = llm_server.auth_headers()  # sent on every request: a server may want it for each endpoint
 
     def call(self, url, body=None, timeout_s=None):
-        """The JSON answer to POST `body` (GET without). Plain urllib: the openai package costs more CPU."""
+        """JSON answer to POST `body` (GET without). Not openai: its CPU cost slows the one-core annotator."""
         data = None if body is None else json.dumps(body).encode()
         headers = {"Content-Type": "application/json", **self.key}
         request = urllib.request.Request(url, data=data, headers=headers)
@@ -421,9 +421,9 @@ def _serve_process(**kwargs):
     serve(**kwargs)
 
 
-def _manager_process(parent):  # the learner decides when the manager stops (Ctrl-C it ignores itself),
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # not a SIGTERM to the group; the trainer's death does,
-    llm_server.die_with_parent(parent, signal.SIGKILL)  # by SIGKILL, then the annotator's, which writes to it
+def _manager_process(parent):  # the learner decides when the manager stops; Ctrl-C it ignores itself
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a SIGTERM to the group must not stop it either
+    llm_server.die_with_parent(parent, signal.SIGKILL)  # the trainer's death kills it, and so the annotator
 
 
 class LabelClient:

@@ -102,7 +102,8 @@ class NetHackTask(base.NLE):
                                "xlvl": stats[XLVL], "gold": stats[GOLD], "kills": self._kills,
                                "explored": sum(self._explored.values())}
         if (success or truncated) and not done:
-            obs = {k: v.copy() for k, v in obs.items()}  # Quitting refills them: truncations bootstrap.
+            # Quitting refills NLE's arrays: keep the last real observation, a truncation's bootstrap.
+            obs = {k: v.copy() for k, v in obs.items()}
             self._quit_game(observation, done)
         return obs, reward, done or success, truncated, info
 
@@ -130,7 +131,7 @@ class NetHackTask(base.NLE):
                               message_bytes(observation[self._message_index]))
             self._texts.append(text)
             if internal[3]:  # xwaitforspace: --More--
-                kept = text if DESCEND_MESSAGE in text else kept  # the stairs message is kept on screen
+                kept = text if DESCEND_MESSAGE in text else kept  # kept as the step's message
                 observation, done = self.nethack.step(SPACE)
             elif internal[2] or internal[1] and not any(q in text for q in AGENT_QUESTIONS):
                 observation, done = self.nethack.step(ESC)  # a line of text (getlin) or another's question
@@ -159,7 +160,7 @@ class NetHackTask(base.NLE):
         count = self._message_counts[text] = self._message_counts.get(text, 0) + 1
         return count
 
-    def _count_explored(self, glyphs, blstats):  # a level's seen cells, on leaving it (its map only grows)
+    def _count_explored(self, glyphs, blstats):  # seen cells on a level change and at the end; maps only grow
         if blstats[TIME]:
             level = (blstats[DNUM], blstats[DLEVEL])
             self._explored[level] = max(int(np.count_nonzero(glyphs != STONE_GLYPH)),

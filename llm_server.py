@@ -20,7 +20,7 @@ import time
 import urllib.request
 
 BACKENDS = ("llama_cpp", "vllm")  # each also the name of the module it needs
-# The key comes from the environment, as OpenAI's clients take theirs: any user sees a command line (ps).
+# The key comes from the environment, like OpenAI clients' (ps shows command lines); each server's variable:
 KEY_VARIABLE, SERVER_KEY_VARIABLES = "OPENAI_API_KEY", {"llama_cpp": "API_KEY", "vllm": "VLLM_API_KEY"}
 # Looked up once, here: a child between fork and exec must not load libraries. None off Linux.
 PRCTL = getattr(ctypes.CDLL(None), "prctl", None) if sys.platform.startswith("linux") else None
@@ -41,8 +41,8 @@ def auth_headers() -> dict:  # the header that carries OPENAI_API_KEY's key, if 
 
 
 def server_environment(backend) -> dict:
-    """This environment with OPENAI_API_KEY in the variable the backend reads and no other key (an API_KEY
-    for something else would lock the annotator out), nor HOST or PORT, which llama.cpp's server obeys."""
+    """This environment with OPENAI_API_KEY in the variable the backend reads, no other key (a stray API_KEY
+    locks the annotator out), nor HOST or PORT: llama.cpp would obey them and start() would wait in vain."""
     dropped = {*SERVER_KEY_VARIABLES.values(), "HOST", "PORT"}
     env = {k: v for k, v in os.environ.items() if k.upper() not in dropped}
     if os.environ.get(KEY_VARIABLE):

@@ -7,8 +7,8 @@ acting process acts for the halves that are ready; this process, the learner, tr
 hands the new weights back. `annotator.py` (a subprocess) asks an LLM about the messages the agent sees and
 `reward_models.py` turns its labels into the intrinsic reward. See README.md.
 
-Sections, in the data's order: config, policy, V-trace and loss, env workers, acting process, learner,
-checkpoints and logs. A process's section opens with its outline; the rest define a thing before its use."""
+Sections, in the data's order, defining a thing before its use: config, policy, V-trace and loss, env workers;
+then top-down, each function before the helpers it calls: acting process, learner, checkpoints and logs."""
 import collections
 import contextlib
 import dataclasses
@@ -153,7 +153,7 @@ def parse_args(argv=None) -> Args:
     if args.reward_type not in reward_models.REWARD_TYPES:
         fail(f"unknown reward type {args.reward_type!r}; "
              f"choose one of {', '.join(reward_models.REWARD_TYPES)}")
-    # The defaults on a GPU differ (README: Performance); a resumed run has its own, which are not None.
+    # A GPU's defaults differ (benchmarks/README.md, On a GPU node); a resumed run's own are not None.
     gpu = torch.cuda.is_available() if args.device == "auto" else args.device.startswith("cuda")
     defaults = dict(num_workers=max(1, (os.cpu_count() or 1) - 2 * gpu),
                     num_envs_per_worker=64 if gpu else 16, batch_size=4096 if gpu else 1024)
@@ -424,7 +424,7 @@ class SharedWeights:
 
 def act_process(args, buffers, weights, full_rollouts, free_buffers, stop, collected_steps):
     """The acting process: it starts the env workers, acts for their ready slots, hands full rollouts over."""
-    torch.set_num_threads(1)  # Small CPU ops: more threads would only wake each other (README).
+    torch.set_num_threads(1)  # Small ops: more threads wake in vain (benchmarks/README.md, pipeline_ceiling).
     actor = Actor(args, buffers, weights, full_rollouts, free_buffers, stop, collected_steps)
     conns, workers = start_workers(actor)
     try:  # An exception prints its traceback; the learner, sent an end it did not ask for, stops the run.
@@ -651,7 +651,8 @@ def set_up(args) -> Run:
 def start_acting(run):
     """Starts the acting process deaf to Ctrl-C and SIGTERM (sent to the group): the stop flag stops it."""
     run.full_rollouts, full_rollouts_out = mp.Pipe(duplex=False)
-    free_buffers_in, run.free_buffers = mp.Pipe(duplex=False)  # Slot s starts in buffer s: the rest are free.
+    free_buffers_in, run.free_buffers = mp.Pipe(duplex=False)
+    # Slot s starts in buffer s: the rest are free.
     run.free_buffers.send(list(range(2 * run.args.num_workers, len(run.buffers["h0"]))))
     run.acting = mp.get_context("spawn").Process(target=act_process, args=(  # No daemon: it starts workers.
         run.args, run.buffers, run.weights, full_rollouts_out, free_buffers_in, run.stop,
@@ -953,7 +954,8 @@ def resume(args, agent, optimizer, intrinsic, counters):
     _, checkpoint, _ = load_checkpoint(args.resume, agent)
     optimizer.load_state_dict(checkpoint["optimizer"])
     saved = checkpoint["counters"]
-    steps = saved.get("learned_steps", saved.get("env_steps", 0))  # Older checkpoints call it env_steps.
+    # Collection restarts at the steps learned; older checkpoints call them env_steps.
+    steps = saved.get("learned_steps", saved.get("env_steps", 0))
     counters.update(collected_steps=steps, updates=saved.get("updates", 0), episodes=saved.get("episodes", 0))
     episodes = os.path.join(args.run_dir, "episodes.jsonl")
     if os.path.exists(episodes):  # The steps after the checkpoint are played again, their episodes too.
@@ -1005,8 +1007,7 @@ def finish(run):
     llm = run.client.stats() if run.client is not None else {}
     if llm.get("model"):  # The model the server answered as, and where the embedded one was.
         run.sessions[-1]["llm"].update(urls=run.client.urls, model=llm["model"])
-    # The client is closed: final totals; this session's time ends here, so sessions' times sum to the run's.
-    totals = save(run)
+    totals = save(run)  # Last, the client closed: final totals, and sessions' times sum to the run's.
     run.intrinsic.write_messages(os.path.join(args.run_dir, "messages.tsv"))
     elapsed = totals["wall_time_s"] - run.saved_totals.get("wall_time_s", 0.0)
     # The whole run's figures count the steps learned; the session_ ones this session's steps collected.

@@ -7,7 +7,7 @@ reset, the policy's step, Gumbel-max sampling with CPU noise, actions and log-pr
 `Agent.fast_step` (the step replayed from the CUDA graph captured for that batch size, as act calls it), then the two
 steps alone, and the largest difference between their outputs. Median of --repeats timed calls after a warm-up, each
 ended by a synchronize. Random observations of the real shapes; the policy is oni_appo.Agent, untrained. On a GPU
-node `act` bounded the pipeline (README, Performance: "On a GPU node"): an eager step of a small batch costs its
+node `act` bounded the pipeline (benchmarks/README.md, On a GPU node): an eager step of a small batch costs its
 ~90 kernel launches whatever its size.
 """
 import argparse

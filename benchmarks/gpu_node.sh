@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU node's figures in one go (README, Performance: "On a GPU node"): the pipeline's ceiling with a null env on
+# The GPU node's figures in one go (benchmarks/README.md, On a GPU node): the pipeline's ceiling with a null env on
 # this node's cores, then real NLE with the policy on the GPU at two sizes, ranking with an instant stub LLM beside
 # `none`. Each part is cut at its time limit so that the others still run.
 #     bash benchmarks/gpu_node.sh [WORKERS] [OUTDIR]      # WORKERS: default nproc - 2 (a core for acting, one for learning)

@@ -225,6 +225,13 @@ def main():
     update.add_argument("--bf16", action="store_true",
                         help="also time forward + backward under bf16 autocast")
     args = parser.parse_args()
+    other = runs if args.update else update  # the other mode's flags would be ignored: an error instead
+    parser.set_defaults(**{action.dest: None for action in other._group_actions})  # None: not given
+    again = parser.parse_args()
+    given = [action.option_strings[0] for action in other._group_actions
+             if getattr(again, action.dest) is not None]
+    if given:
+        parser.error(f"{', '.join(given)}: only {'without' if args.update else 'with'} --update")
     (time_update if args.update else time_runs)(args)
 
 

@@ -944,7 +944,8 @@ def test_a_trainer_killed_by_sigkill_leaves_no_child_running(tmp_path):
 
 def test_defaults_follow_the_device_and_a_resume_keeps_its_own(tmp_path, monkeypatch):
     """On a GPU node the defaults were a laptop's: every core a worker (none left for the process that acts and
-    learns) and 16 envs per worker with batches of 1,024, 0.55 of the speed of 64 x 4,096 on an H200 (README)."""
+    learns) and 16 envs per worker with batches of 1,024, 0.55 of the speed of 64 x 4,096 on an H200
+    (benchmarks/README.md, On a GPU node)."""
     import dataclasses
     monkeypatch.setattr(oni_appo.os, "cpu_count", lambda: 16)
     cpu, gpu = oni_appo.parse_args(["--device", "cpu"]), oni_appo.parse_args(["--device", "cuda:1"])

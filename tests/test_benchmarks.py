@@ -1,4 +1,4 @@
-"""The measurement scripts still run against the code they measure (their figures are in the README)."""
+"""The measurement scripts still run against the code they measure (their figures: benchmarks/README.md)."""
 import os
 import subprocess
 import sys
@@ -144,9 +144,17 @@ def test_classifier_replay_replays_a_run_s_labels_through_the_classifier_and_its
     assert "paid most against its label" in result.stdout
 
 
+def test_learner_time_refuses_a_flag_of_the_other_mode_instead_of_ignoring_it():
+    result = subprocess.run([sys.executable, "benchmarks/learner_time.py", "--update", "--batch-size", "64",
+                             "--updates", "1", "--steps", "5"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.endswith("error: --steps: only without --update\n")
+
+
 def test_a_baseline_git_does_not_know_stops_the_benchmark_with_a_one_line_error():
-    result = subprocess.run([sys.executable, "benchmarks/classifier_replay.py", "no-run", "--baseline", "no-such-rev"],
-                            cwd=ROOT, capture_output=True, text=True, timeout=60)
+    result = subprocess.run([sys.executable, "benchmarks/classifier_replay.py", "no-run", "--baseline",
+                             "no-such-rev"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 1 and result.stdout == ""  # before any measurement
-    assert result.stderr.startswith("error: --baseline no-such-rev: no worktree of it: ")
+    assert result.stderr.startswith("error: --baseline no-such-rev: not a commit git knows: ")
     assert result.stderr.count("\n") == 1

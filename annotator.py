@@ -29,8 +29,7 @@ TOKENIZE_BACKOFF_S = (0.5, 1.0, 2.0)  # start-up retries of the server's tokeniz
 CHECK_EVERY_S, MAX_RESTARTS = 5.0, 5  # LabelClient.check(): how often it reads the stats; restarts
 UNPARSEABLE = object()
 
-# --- Prompts. Chat prompts ask an instruct model to reason first, as the paper does; completion
-# prompts give a base model (the embedded default) worked examples and read the next token. ---
+# --- Prompts: chat ones let an instruct model reason first (the paper's); completion ones show examples.
 GOAL = "maximize the score: kill monsters, collect gold, go down the stairs, gain experience levels"
 PROMPTS = {
     "label_system": "You are a fair and knowledgeable judge of progress in the game NetHack.",
@@ -51,13 +50,11 @@ PROMPTS = {
                          "descending, levelling up, finding things):\n"
                          "{examples}Message: {caption}\nProgress:"),
 }
-# A base model copies the labels of similar messages far better than it applies a stated goal, so a completion
-# prompt shows the DEMOS_PER_LABEL messages of each label nearest the one asked (by character trigrams) in a
-# pool, by default label_sets.tsv's hand-labelled dev split (its test and goal splits never reach a prompt).
+# A base model copies the labels of similar messages far better than it applies a stated goal: a prompt shows
+# the DEMOS_PER_LABEL nearest messages of each label (by trigrams) in a pool, by default label_sets.tsv's dev.
 DEMOS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "label_sets.tsv")
 DEMOS_PER_LABEL = 4  # At 2 a label, even kills scored too low.
-# A message is helpful when its score (Labeler.score) > THRESHOLD, which `label_quality.py --calibrate` chose:
-# at most 5% of dev's unhelpful steps paid, then most agreement + helpful steps paid (benchmarks/README.md).
+# Helpful when Labeler.score > THRESHOLD, chosen by `label_quality.py --calibrate` (benchmarks/README.md).
 THRESHOLD, TIE_MARGIN = 0.80, 0.5  # pairs: see preference()
 LABEL_TAG = re.compile(r"<label>\s*(FOO|BAR)\s*</label>", re.IGNORECASE)
 PREFERENCE = re.compile(r"best_description\"?\s*:\s*\"?(1|2|None)", re.IGNORECASE)
@@ -86,6 +83,10 @@ def parse_choice(text: str, options: dict):  # a one-token answer; options: lowe
     return options.get((text or "").strip().lower(), UNPARSEABLE)
 
 
+def as_asked(text: str) -> str:  # Words one space apart, as the pool and messages.tsv hold them: NetHack pads
+    return " ".join(text.split())  # sentences and prompts with spaces, and they move a small model's score.
+
+
 def trigrams(text: str) -> collections.Counter:
     text = f"  {text.lower()} "
     return collections.Counter(text[i:i + 3] for i in range(len(text) - 2))
@@ -109,7 +110,7 @@ def load_demos(path=None) -> list:
                      if "split" not in column or row[column["split"]] == "dev"]
     except (OSError, ValueError, IndexError, KeyError) as error:
         raise Fatal(f"cannot read the demonstrations {path}: {type(error).__name__}: {error}") from None
-    pool = dict(pairs)
+    pool = {as_asked(message): label for message, label in pairs}
     if set(pool.values()) != {0, 1}:
         only = "none" if not pool else f"all labelled {next(iter(pool.values()))}"
         raise Fatal(f"the demonstrations {path} hold {len(pool)} labelled messages, {only}: "
@@ -279,8 +280,7 @@ class Labeler:  # turns a caption or pair into a label with one HTTP request to 
 
     def ask(self, item, server=0):  # the parsed answer about a caption (str) or a (first, second) pair
         is_pair = isinstance(item, tuple)
-        # Asked as the pool holds messages, without a prompt's trailing space: it moves a small model's score.
-        item = tuple(m.strip() for m in item) if is_pair else item.strip()
+        item = tuple(map(as_asked, item)) if is_pair else as_asked(item)
         if self.style == "chat":
             kind, fields = (("pair", {"first": item[0], "second": item[1]}) if is_pair
                             else ("label", {"caption": item}))

@@ -113,7 +113,7 @@ def scores(labeler, rows, leave_out=None):
             out.append(labeler.ask(row.message))
             continue
         labeler.demos = pool_without(pool, rows, row.message, leave_out)
-        out.append(labeler.score(row.message, 0))
+        out.append(labeler.score(annotator.as_asked(row.message), 0))  # as Labeler.ask asks it
     labeler.demos = pool
     return out, time.time() - start
 

@@ -767,18 +767,18 @@ def test_a_score_is_the_log_probability_margin_and_a_label_is_above_the_threshol
     assert labeler.score("c", 0) is annotator.UNPARSEABLE and labeler.scored
 
 
-def test_the_labeler_asks_a_message_as_the_pool_holds_it_without_a_prompt_s_trailing_space(monkeypatch):
-    """NetHack leaves a space after a y/n prompt for the cursor; the pool's messages have none. The 270M model
-    scored "Continue eating? [yn] (n) " above THRESHOLD and the same without the space below it, and a Ranking run
-    learned to eat until it choked."""
+def test_the_labeler_asks_a_message_as_the_pool_holds_it_one_space_between_words(monkeypatch):
+    """NetHack leaves a space after a y/n prompt for the cursor, two between sentences; the pool's messages (as
+    messages.tsv writes them) have one between words and none at the end. The 270M model scored "Continue
+    eating? [yn] (n) " above THRESHOLD and the same without the space below it; a Ranking run ate until it choked."""
     fake = FakeOpenAI().start()
     labeler = base_labeler(fake)
     fake.stop()
     asked = []
     monkeypatch.setattr(labeler, "score", lambda caption, server: asked.append(caption) or 0.0)
     labeler.ask("Continue eating? [yn] (n) ")
-    labeler.ask(("Continue eating? [yn] (n) ", "It's a wall. "))
-    assert asked == ["Continue eating? [yn] (n)", "Continue eating? [yn] (n)", "It's a wall."]
+    labeler.ask(("Continue eating? [yn] (n) ", "You hear bubbling water.  It's a wall."))  # as NetHack shows it
+    assert asked == ["Continue eating? [yn] (n)"] * 2 + ["You hear bubbling water. It's a wall."]
 
 
 @pytest.mark.parametrize("threshold", [0.25, -0.5])

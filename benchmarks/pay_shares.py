@@ -1,0 +1,67 @@
+"""Where each run's intrinsic reward went: shares of its pay by label, and the messages it paid most.
+
+    python benchmarks/pay_shares.py results/five_1m/free_retrieval results/five_1m/free_classification
+    python benchmarks/pay_shares.py results/five_1m --top 5 > results/five_1m/pay.md
+
+Reads each run's messages.tsv (`paid`: the intrinsic reward the run paid each message over the whole run,
+R/N^beta summed over its steps; `label`: the run's own LLM label) and prints one markdown row per run: the
+total paid; the shares of it that went to messages the run's LLM labelled helpful, unhelpful, or never
+labelled (Classification may pay what its own labels call unhelpful; Ranking asks pairs, so its captions are
+never labelled); the shares to messages hand-labelled helpful and unhelpful in label_sets.tsv (any split; the
+rest are in no set); the share to the steps that end a life ("You die..." opens NetHack's death message); and
+the messages paid most, with their shares. A config directory stands for its seed* runs, and a last row gives
+their means."""
+import argparse
+import os
+
+import numpy as np
+
+import runs
+
+COLUMNS = ("LLM helpful", "LLM unhelpful", "never labelled", "hand helpful", "hand unhelpful", "deaths")
+
+
+def shares(run_dir, top):
+    """(total paid, [the COLUMNS' shares of it], [(message, share)] of the `top` most paid)."""
+    messages, _ = runs.read_messages(run_dir)
+    hand = runs.hand_labels()
+    paid = {m: v.paid for m, v in messages.items() if v.paid > 0}
+    total = sum(paid.values())
+    groups = (lambda m: messages[m].label == 1, lambda m: messages[m].label == 0,
+              lambda m: messages[m].label is None, lambda m: hand.get(m, (None,))[0] == 1,
+              lambda m: hand.get(m, (None,))[0] == 0, lambda m: m.startswith("You die"))
+    cells = [sum(p for m, p in paid.items() if inside(m)) / (total or 1.0) for inside in groups]
+    most = sorted(paid.items(), key=lambda kv: -kv[1])[:top]
+    return total, cells, [(m, p / total) for m, p in most]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("dirs", nargs="+", help="run dirs, config dirs (seed*) or sets of configs")
+    parser.add_argument("--top", type=int, default=3, help="how many of the most paid messages to name")
+    args = parser.parse_args()
+    print("| run | paid | " + " | ".join(COLUMNS) + " | paid most |")
+    print("|---" * (len(COLUMNS) + 3) + "|")
+    for path in args.dirs:
+        found = runs.run_dirs(path)
+        if not found:
+            raise SystemExit(f"error: no run (messages.tsv and summary.json) under {path}")
+        configs = {}
+        for run_dir in found:
+            configs.setdefault(os.path.dirname(run_dir), []).append(run_dir)
+        for config, seeds in configs.items():
+            rows = []
+            for run_dir in seeds:
+                total, cells, most = shares(run_dir, args.top)
+                rows.append([total] + cells)
+                named = "; ".join(f"{m[:60]!r} {s:.0%}" for m, s in most)
+                print(f"| {os.path.relpath(run_dir)} | {total:,.0f} | "
+                      + " | ".join(f"{c:.1%}" for c in cells) + f" | {named} |")
+            if len(seeds) > 1:
+                mean = np.mean(rows, axis=0)
+                print(f"| **{os.path.relpath(config)}**, mean of {len(seeds)} | {mean[0]:,.0f} | "
+                      + " | ".join(f"{c:.1%}" for c in mean[1:]) + " | |")
+
+
+if __name__ == "__main__":
+    main()

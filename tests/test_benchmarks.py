@@ -161,25 +161,27 @@ def test_a_baseline_git_does_not_know_stops_the_benchmark_with_a_one_line_error(
 
 
 def test_pay_shares_splits_a_run_s_pay_by_its_own_labels_and_the_hand_labels(tmp_path):
-    """Two seeds of a config: pay by the run's LLM label (helpful, unhelpful, never labelled), by the hand labels
-    of label_sets.tsv, to deaths, and the message paid most; a last row with the seeds' mean."""
+    """A set of two configs, one of two seeds: pay by the run's LLM label (helpful, unhelpful, never
+    labelled), by the hand labels of label_sets.tsv, to deaths, and the message paid most; a row with each
+    config's seeds' mean (none for one seed), never one mixing the configs."""
     rows = [("You kill the newt!", 1, 60.0),  # hand-labelled helpful
             ("It's a wall.", 1, 20.0),  # hand-labelled unhelpful, which this run's LLM called helpful
             ("You die...", 0, 10.0), ("Some message in no set at all.", "", 10.0), ("(none)", "", 0.0)]
-    for seed in (1, 2):
-        run = tmp_path / "cfg" / f"seed{seed}"
+    for config, seed in (("cfg", 1), ("cfg", 2), ("other", 3)):
+        run = tmp_path / config / f"seed{seed}"
         run.mkdir(parents=True)
         (run / "summary.json").write_text('{"episodes": 10}')
         with open(run / "messages.tsv", "w") as f:
             f.write("message\tsteps\tlabel\treward_now\tpaid\tfirsts\n" + "".join(
                 f"{m}\t5\t{label}\t0\t{paid * seed}\t1\n" for m, label, paid in rows))
-    result = subprocess.run([sys.executable, "benchmarks/pay_shares.py", str(tmp_path / "cfg"), "--top", "1"],
+    result = subprocess.run([sys.executable, "benchmarks/pay_shares.py", str(tmp_path), "--top", "1"],
                             cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr[-2000:]
     table = [[c.strip() for c in line.strip("|").split("|")] for line in result.stdout.splitlines()[2:]]
     assert [row[1:8] for row in table] == [["100", "80.0%", "10.0%", "10.0%", "60.0%", "30.0%", "10.0%"],
                                            ["200", "80.0%", "10.0%", "10.0%", "60.0%", "30.0%", "10.0%"],
-                                           ["150", "80.0%", "10.0%", "10.0%", "60.0%", "30.0%", "10.0%"]]
+                                           ["150", "80.0%", "10.0%", "10.0%", "60.0%", "30.0%", "10.0%"],
+                                           ["300", "80.0%", "10.0%", "10.0%", "60.0%", "30.0%", "10.0%"]]
     assert table[0][8] == "'You kill the newt!' 60%" and "mean of 2" in table[2][0]
     empty = subprocess.run([sys.executable, "benchmarks/pay_shares.py", str(tmp_path / "nothing")], cwd=ROOT,
                            capture_output=True, text=True, timeout=60)

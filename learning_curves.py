@@ -130,7 +130,8 @@ def evaluate_after(run_dir, episodes):
 
 
 def load_episodes(path):
-    """A file's episodes; older files lack env_steps (-> cumulative steps), the intrinsic fields (-> 0), xlvl."""
+    """A file's episodes; older files lack env_steps (-> cumulative steps), the intrinsic fields (-> 0) and
+    xlvl."""
     episodes = [json.loads(line) for line in open(path) if line.strip()]
     cumulative = np.cumsum([e["steps"] for e in episodes])
     for e, steps in zip(episodes, cumulative):

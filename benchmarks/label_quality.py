@@ -278,7 +278,7 @@ def cost(rows):
 def check_run(run_dir, sets):
     """A run's own labels (labels.jsonl, as the annotator gave them in the run) against the hand labels of every
     set, per kind, and where the run's pay went (messages.tsv): no LLM is asked."""
-    labels, (messages, exact) = runs.llm_labels(run_dir), runs.read_messages(run_dir)
+    labels, (messages, _) = runs.llm_labels(run_dir), runs.read_messages(run_dir)
     hand = {r.message: r for name in ("old50", "dev", "test", "goal") for r in sets[name]}  # kinds win over old50
     known = [(hand[m], label) for m, label in labels.items() if m in hand]
     print(f"{run_dir}: {len(labels)} captions labelled, {len(known)} of them hand-labelled: agreement "
@@ -291,13 +291,12 @@ def check_run(run_dir, sets):
     for r, y in known:
         if r.label != y:
             print(f"    wrong: {r.message!r} expected {r.label}, got {y}")
-    paid = {m: v.paid for m, v in messages.items()}
-    total = sum(paid.values()) or 1.0
-    for truth, name in ((0, "hand-unhelpful"), (1, "hand-helpful")):
-        share = sum(p for m, p in paid.items() if m in hand and hand[m].label == truth) / total
-        print(f"  share of the run's pay to {name} messages: {share:.1%}")
-    print(f"  share of the run's pay to messages in no set: "
-          f"{sum(p for m, p in paid.items() if m not in hand) / total:.1%} (pay weights {'exact' if exact else 'estimated'})")
+    shares = runs.pay_shares(messages, {
+        "hand-unhelpful messages": lambda m, _: m in hand and hand[m].label == 0,
+        "hand-helpful messages": lambda m, _: m in hand and hand[m].label == 1,
+        "messages in no set": lambda m, _: m not in hand})
+    for name, share in shares.items():
+        print(f"  share of the run's pay to {name}: {share:.1%}")
 
 
 def main():

@@ -5,11 +5,12 @@
 
 Reads each run's messages.tsv (`paid`: the intrinsic reward the run paid each message over the whole run,
 R/N^beta summed over its steps; `label`: the run's own LLM label) and prints one markdown row per run: the
-total paid; the shares of it that went to messages the run's LLM labelled helpful, unhelpful, or never
-labelled (Classification may pay what its own labels call unhelpful; Ranking asks pairs, so its captions are
-never labelled); the shares to messages hand-labelled helpful and unhelpful in label_sets.tsv (any split; the
-rest are in no set); the share to the steps that end a life ("You die..." opens NetHack's death message); and
-the messages paid most, with their shares. A config directory stands for its seed* runs, and a last row gives
+total paid (net: older Ranking runs paid some negative rewards); the shares of it that went to messages the
+run's LLM labelled helpful, unhelpful, or never labelled (Classification may pay what its own labels call
+unhelpful; Ranking asks pairs, so its captions are never labelled); the shares to messages hand-labelled
+helpful and unhelpful in label_sets.tsv (any split; the rest are in no set; label_quality.py --run also counts
+its older 50); the share to the steps that end a life ("You die..." opens NetHack's death message); and the
+messages paid most, with their shares. A config directory stands for its seed* runs, and a last row gives
 their means."""
 import argparse
 import os
@@ -21,18 +22,17 @@ import runs
 COLUMNS = ("LLM helpful", "LLM unhelpful", "never labelled", "hand helpful", "hand unhelpful", "deaths")
 
 
-def shares(run_dir, top):
+def shares(run_dir, hand, top):
     """(total paid, [the COLUMNS' shares of it], [(message, share)] of the `top` most paid)."""
     messages, _ = runs.read_messages(run_dir)
-    hand = runs.hand_labels()
-    paid = {m: v.paid for m, v in messages.items() if v.paid > 0}
-    total = sum(paid.values())
-    groups = (lambda m: messages[m].label == 1, lambda m: messages[m].label == 0,
-              lambda m: messages[m].label is None, lambda m: hand.get(m, (None,))[0] == 1,
-              lambda m: hand.get(m, (None,))[0] == 0, lambda m: m.startswith("You die"))
-    cells = [sum(p for m, p in paid.items() if inside(m)) / (total or 1.0) for inside in groups]
-    most = sorted(paid.items(), key=lambda kv: -kv[1])[:top]
-    return total, cells, [(m, p / total) for m, p in most]
+    hand_label = lambda m: hand.get(m, (None,))[0]  # noqa: E731
+    cells = runs.pay_shares(messages, dict(zip(COLUMNS, (
+        lambda m, v: v.label == 1, lambda m, v: v.label == 0, lambda m, v: v.label is None,
+        lambda m, v: hand_label(m) == 1, lambda m, v: hand_label(m) == 0,
+        lambda m, v: m.startswith("You die")))))
+    total = sum(v.paid for v in messages.values())
+    most = sorted(messages.items(), key=lambda kv: -kv[1].paid)[:top]
+    return total, list(cells.values()), [(m, v.paid / (total or 1.0)) for m, v in most if v.paid > 0]
 
 
 def main():
@@ -40,6 +40,7 @@ def main():
     parser.add_argument("dirs", nargs="+", help="run dirs, config dirs (seed*) or sets of configs")
     parser.add_argument("--top", type=int, default=3, help="how many of the most paid messages to name")
     args = parser.parse_args()
+    hand = runs.hand_labels()
     print("| run | paid | " + " | ".join(COLUMNS) + " | paid most |")
     print("|---" * (len(COLUMNS) + 3) + "|")
     for path in args.dirs:
@@ -52,7 +53,7 @@ def main():
         for config, seeds in configs.items():
             rows = []
             for run_dir in seeds:
-                total, cells, most = shares(run_dir, args.top)
+                total, cells, most = shares(run_dir, hand, args.top)
                 rows.append([total] + cells)
                 named = "; ".join(f"{m[:60]!r} {s:.0%}" for m, s in most)
                 print(f"| {os.path.relpath(run_dir)} | {total:,.0f} | "

@@ -47,6 +47,14 @@ def read_messages(run_dir: str) -> tuple[dict[str, Message], bool]:
     return out, exact
 
 
+def pay_shares(messages: dict[str, Message], kinds: dict) -> dict[str, float]:
+    """{kind: the share of the run's pay to the messages where kinds[kind](message, Message) holds}, pay being
+    R/N^beta summed over the run (`paid`), negative pay included: older Ranking runs paid some."""
+    total = sum(v.paid for v in messages.values()) or 1.0
+    return {kind: sum(v.paid for m, v in messages.items() if inside(m, v)) / total
+            for kind, inside in kinds.items()}
+
+
 def hand_labels(path: str = LABEL_SETS) -> dict[str, tuple[int, str]]:
     """{message: (label, split)} of label_sets.tsv, every split."""
     with open(path) as f:

@@ -166,7 +166,9 @@ def test_pay_shares_splits_a_run_s_pay_by_its_own_labels_and_the_hand_labels(tmp
     config's seeds' mean (none for one seed), never one mixing the configs."""
     rows = [("You kill the newt!", 1, 60.0),  # hand-labelled helpful
             ("It's a wall.", 1, 20.0),  # hand-labelled unhelpful, which this run's LLM called helpful
-            ("You die...", 0, 10.0), ("Some message in no set at all.", "", 10.0), ("(none)", "", 0.0)]
+            ("You die...", 0, 10.0), ("You die from starvation.", 0, 10.0),  # deaths: every "You die"
+            ("Never mind.", 0, -10.0),  # older Ranking runs paid negative rewards: they count
+            ("Some message in no set at all.", "", 10.0), ("(none)", "", 0.0)]
     for config, seed in (("cfg", 1), ("cfg", 2), ("other", 3)):
         run = tmp_path / config / f"seed{seed}"
         run.mkdir(parents=True)
@@ -178,10 +180,10 @@ def test_pay_shares_splits_a_run_s_pay_by_its_own_labels_and_the_hand_labels(tmp
                             cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr[-2000:]
     table = [[c.strip() for c in line.strip("|").split("|")] for line in result.stdout.splitlines()[2:]]
-    assert [row[1:8] for row in table] == [["100", "80.0%", "10.0%", "10.0%", "60.0%", "30.0%", "10.0%"],
-                                           ["200", "80.0%", "10.0%", "10.0%", "60.0%", "30.0%", "10.0%"],
-                                           ["150", "80.0%", "10.0%", "10.0%", "60.0%", "30.0%", "10.0%"],
-                                           ["300", "80.0%", "10.0%", "10.0%", "60.0%", "30.0%", "10.0%"]]
+    assert [row[1:8] for row in table] == [["100", "80.0%", "10.0%", "10.0%", "60.0%", "30.0%", "20.0%"],
+                                           ["200", "80.0%", "10.0%", "10.0%", "60.0%", "30.0%", "20.0%"],
+                                           ["150", "80.0%", "10.0%", "10.0%", "60.0%", "30.0%", "20.0%"],
+                                           ["300", "80.0%", "10.0%", "10.0%", "60.0%", "30.0%", "20.0%"]]
     assert table[0][8] == "'You kill the newt!' 60%" and "mean of 2" in table[2][0]
     empty = subprocess.run([sys.executable, "benchmarks/pay_shares.py", str(tmp_path / "nothing")], cwd=ROOT,
                            capture_output=True, text=True, timeout=60)

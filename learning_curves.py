@@ -50,7 +50,7 @@ CONFIGS = {
     "free_classification": (SCORE, "classification", 0, 500_000),
 }
 METRICS = ["score", "kills", "depth", "explored", "intrinsic_return"]
-TITLES = {"xlvl": "experience level", "intrinsic_rewarded_fraction": "share of steps paid"}
+TITLES = {"xlvl": "experience level", "intrinsic_rewarded_fraction": "share of an episode's steps paid"}
 BINS, WINDOW = 25, 100
 
 

@@ -56,12 +56,12 @@ def main():
                 total, cells, most = shares(run_dir, hand, args.top)
                 rows.append([total] + cells)
                 named = "; ".join(f"{m[:60]!r} {s:.0%}" for m, s in most)
-                print(f"| {os.path.relpath(run_dir)} | {total:,.0f} | "
-                      + " | ".join(f"{c:.1%}" for c in cells) + f" | {named} |")
+                print(f"| {os.path.relpath(run_dir)} | {total:,.0f} | "  # nothing paid: no shares
+                      + " | ".join(f"{c:.1%}" if total else "—" for c in cells) + f" | {named} |")
             if len(seeds) > 1:
                 mean = np.mean(rows, axis=0)
                 print(f"| **{os.path.relpath(config)}**, mean of {len(seeds)} | {mean[0]:,.0f} | "
-                      + " | ".join(f"{c:.1%}" for c in mean[1:]) + " | |")
+                      + " | ".join(f"{c:.1%}" if mean[0] else "—" for c in mean[1:]) + " | |")
 
 
 if __name__ == "__main__":

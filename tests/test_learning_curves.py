@@ -58,8 +58,9 @@ def test_table_and_figure(tmp_path, capsys):
     assert cfg["score (first 100)"] == "54.50 ± 5.00" and cfg["score (best 100)"] == "254.50 ± 5.00"
     assert cfg["intrinsic_return (last 100)"] == "0.50 ± 0.00" and cfg["steps (last 100)"] == "10.00 ± 0.00"
     assert cfg["experience level (last 100)"] == "1.50 ± 0.50"
-    assert cfg["share of steps paid (last 100)"] == "0.10 ± 0.00"
-    assert run["experience level (last 100)"] == "nan" and run["share of steps paid (last 100)"] == "0.00"
+    paid = "share of an episode's steps paid (last 100)"
+    assert cfg[paid] == "0.10 ± 0.00"
+    assert run["experience level (last 100)"] == "nan" and run[paid] == "0.00"
     assert run["seeds"] == "1" and run["env steps"] == "2,100"  # 300 episodes x 7 steps, summed
     assert run["score (last 100)"] == "499.00" and run["score (first 100)"] == "99.00"
     assert run["depth (last 100)"] == "2.00" and run["intrinsic_return (last 100)"] == "0.00"

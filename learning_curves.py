@@ -130,15 +130,15 @@ def evaluate_after(run_dir, episodes):
 
 
 def load_episodes(path):
-    """A file's episodes; older files lack env_steps (-> cumulative steps), the intrinsic fields (-> 0) and
-    xlvl."""
+    """A file's episodes; older files lack env_steps (-> cumulative steps). A missing intrinsic field or xlvl is
+    NaN, left out of means: older files lack them, and a run's last episodes, which end in steps no update
+    trained on, have no intrinsic totals."""
     episodes = [json.loads(line) for line in open(path) if line.strip()]
     cumulative = np.cumsum([e["steps"] for e in episodes])
     for e, steps in zip(episodes, cumulative):
         e.setdefault("env_steps", int(steps))
-        e.setdefault("intrinsic_return", 0.0)
-        e.setdefault("intrinsic_rewarded_fraction", 0.0)
-        e.setdefault("xlvl", float("nan"))  # not recorded: unknown
+        for key in ("intrinsic_return", "intrinsic_rewarded_fraction", "xlvl"):
+            e.setdefault(key, float("nan"))
     return sorted(episodes, key=lambda e: e["env_steps"])  # written as the learner's totals come, nearly in order
 
 
@@ -172,6 +172,12 @@ def commits(run_dir):
     return " ".join(dict.fromkeys(named)) or "not recorded"
 
 
+def mean(values):
+    """The mean of the values that are not NaN; NaN if none is."""
+    values = np.asarray(values, dtype=float)
+    return values[~np.isnan(values)].mean() if (~np.isnan(values)).any() else float("nan")
+
+
 def across_seeds(values):
     """'mean ± std' over seeds (std with numpy's ddof=0), or the value alone for one seed."""
     return f"{np.mean(values):.2f}" + (f" ± {np.std(values):.2f}" if len(values) > 1 else "")
@@ -193,7 +199,7 @@ def table(runs, made):
              "|---" * (len(columns) + 6) + "|"]
     for name, seeds in runs.items():
         env_steps = min(s[-1]["env_steps"] for s in seeds)
-        cells = [across_seeds([np.mean([e[c] for e in s[-WINDOW:]]) for s in seeds]) for c in columns]
+        cells = [across_seeds([mean([e[c] for e in s[-WINDOW:]]) for s in seeds]) for c in columns]
         first = across_seeds([np.mean([e["score"] for e in s[:WINDOW]]) for s in seeds])
         best = across_seeds([best_window([e["score"] for e in s]) for s in seeds])
         lines.append(f"| {name} | {len(seeds)} | {env_steps:,} | " + " | ".join(cells)
@@ -210,7 +216,7 @@ def binned(seeds, metric):
         y = np.array([e[metric] for e in s], dtype=float)
         which = np.clip(np.searchsorted(edges, x, side="right") - 1, 0, BINS - 1)
         for b in np.unique(which):
-            means[i, b] = y[which == b].mean()
+            means[i, b] = mean(y[which == b])
     return (edges[:-1] + edges[1:]) / 2, means
 
 

@@ -1,6 +1,7 @@
 """learning_curves.py on a synthetic layout: table values by hand, the PNG, old files'
 missing keys, and which oni_appo.py commands the resumable runner builds (no training)."""
 import json
+import math
 import os
 import sys
 
@@ -16,14 +17,16 @@ def write_episodes(path, episodes):
 
 
 def synthetic(tmp_path):
-    """cfg: 2 seeds, score = episode index (+10 on seed 2), new keys; run: a bare run dir of an old
+    """cfg: 2 seeds, score = episode index (+10 on seed 2), new keys (seed 1's last 3 episodes without the
+    intrinsic ones, which are left out of means, not counted as 0); run: a bare run dir of an old
     file (no env_steps, no intrinsic_return), 7 steps per episode, score = 2 x index, no summary."""
     for seed, offset in ((1, 0), (2, 10)):
-        write_episodes(tmp_path / "cfg" / f"seed{seed}" / "episodes.jsonl", [
-            {"return": 1.0, "steps": 10, "score": i + offset, "kills": 1, "depth": 1, "explored": 50,
-             "intrinsic_return": 0.5, "intrinsic_rewarded_fraction": 0.1, "xlvl": seed,
-             "env_steps": 1000 * (i + 1) + seed}
-            for i in range(300)])
+        episodes = [{"return": 1.0, "steps": 10, "score": i + offset, "kills": 1, "depth": 1, "explored": 50,
+                     "intrinsic_return": 0.5, "intrinsic_rewarded_fraction": 0.1, "xlvl": seed,
+                     "env_steps": 1000 * (i + 1) + seed} for i in range(300)]
+        for e in episodes[-3:] if seed == 1 else []:  # a run's last episodes, which no update trained on
+            del e["intrinsic_return"], e["intrinsic_rewarded_fraction"]
+        write_episodes(tmp_path / "cfg" / f"seed{seed}" / "episodes.jsonl", episodes)
     write_episodes(tmp_path / "run" / "episodes.jsonl", [
         {"return": 1.0, "steps": 7, "score": 2 * i, "kills": 0, "depth": 2, "explored": 30} for i in range(300)])
     # seed 1 resumed once at another commit, with uncommitted changes; seed 2 and run from before the record
@@ -45,7 +48,7 @@ def test_table_and_figure(tmp_path, capsys):
     dirs = synthetic(tmp_path)
     runs = lc.load_runs(dirs)
     assert list(runs) == ["cfg", "run"] and [len(s) for s in runs.values()] == [2, 1]
-    assert runs["run"][0][-1]["env_steps"] == 2100 and runs["run"][0][0]["intrinsic_return"] == 0.0
+    assert runs["run"][0][-1]["env_steps"] == 2100 and math.isnan(runs["run"][0][0]["intrinsic_return"])
 
     out = tmp_path / "out"
     assert lc.main(["--plot", *dirs, "--out", str(out)]) == 0
@@ -60,10 +63,10 @@ def test_table_and_figure(tmp_path, capsys):
     assert cfg["experience level (last 100)"] == "1.50 ± 0.50"
     paid = "share of an episode's steps paid (last 100)"
     assert cfg[paid] == "0.10 ± 0.00"
-    assert run["experience level (last 100)"] == "nan" and run[paid] == "0.00"
+    assert run["experience level (last 100)"] == "nan" and run[paid] == "nan"
     assert run["seeds"] == "1" and run["env steps"] == "2,100"  # 300 episodes x 7 steps, summed
     assert run["score (last 100)"] == "499.00" and run["score (first 100)"] == "99.00"
-    assert run["depth (last 100)"] == "2.00" and run["intrinsic_return (last 100)"] == "0.00"
+    assert run["depth (last 100)"] == "2.00" and run["intrinsic_return (last 100)"] == "nan"
     assert cfg["commit"] == "aaaaaaa bbbbbbb+ / not recorded" and run["commit"] == "not recorded"
 
     png = (out / "curves.png").read_bytes()

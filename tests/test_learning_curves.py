@@ -39,8 +39,9 @@ def synthetic(tmp_path):
 
 
 def rows(text):
-    """{config: {column: cell}} from the markdown table."""
-    lines = [[c.strip() for c in line.strip("|").split("|")] for line in text.strip().splitlines()]
+    """{config: {column: cell}} from the markdown file's first table."""
+    first = text.strip().split("\n\n")[0]
+    lines = [[c.strip() for c in line.strip("|").split("|")] for line in first.splitlines()]
     return {cells[0]: dict(zip(lines[0], cells)) for cells in lines[2:]}
 
 
@@ -71,6 +72,27 @@ def test_table_and_figure(tmp_path, capsys):
 
     png = (out / "curves.png").read_bytes()
     assert len(png) > 1000 and png[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_comparisons_claim_beats_only_beyond_the_larger_std_and_read_seed_overlap():
+    def runs(**scores):  # config -> each seed's last-100 score
+        return {name: [[{"score": x}] * lc.WINDOW for x in seeds] for name, seeds in scores.items()}
+
+    def readings(text):
+        lines = [[c.strip() for c in line.strip("|").split("|")] for line in text.strip().splitlines()[2:]]
+        return {(cells[0], cells[1]): cells[2:] for cells in lines}
+
+    got = readings(lc.comparisons(runs(free_none=[5, 9], score_extrinsic=[10, 14], free_ranking=[30, 32],
+                                       free_retrieval=[8, 20], free_classification=[1, 3])))
+    assert got[("free_ranking", "free_none")] == ["+24.00", "2.00", "beats", "no"]
+    assert got[("free_retrieval", "free_none")] == ["+7.00", "6.00", "beats", "yes"]  # 8 < 9: seeds overlap
+    assert got[("free_retrieval", "score_extrinsic")] == ["+2.00", "6.00", "within the std", "yes"]
+    assert got[("free_classification", "free_none")] == ["-5.00", "2.00", "below", "no"]
+    assert got[("free_none", "score_extrinsic")] == ["-5.00", "2.00", "below", "no"]
+    assert ("score_extrinsic", "score_extrinsic") not in got and len(got) == 8
+    one = readings(lc.comparisons(runs(free_none=[5], free_ranking=[30, 32])))
+    assert one == {("free_ranking", "free_none"): ["+26.00", "1.00", "no claim (one seed)", "no"]}
+    assert lc.comparisons(runs(free_ranking=[30, 32])) == ""  # no baseline: no table
 
 
 def test_execute(tmp_path):

@@ -22,7 +22,8 @@ OUT/curves.png: score, kills, depth, explored and intrinsic return against env s
 episodes' means in 25 equal bins of env steps, per config the mean over seeds (line) and their
 min-max (shaded). OUT/curves.md: per config the last-100-episode means (mean ± std over seeds) and the commits
 that made each seed (its summary.json's sessions; "+": with uncommitted changes); below it, each config's
-score against the control and the score-trained agent: "beats" only beyond the larger std; do seeds overlap.
+score against the control and the score-trained agent: "beats" only beyond the larger std (ddof 1) over
+seeds, and whether the seeds overlap.
 --eval-after N evaluates each run as soon as it is complete (and a complete one not yet evaluated), while its
 checkpoint, which is not committed, is still there. --eval --record also writes the replay of each run's first
 evaluated episode (evaluate.py --record) to RUN/replay and RUN/replay_random: episode0.html and NLE's
@@ -210,20 +211,25 @@ def table(runs, made):
 
 def comparisons(runs):
     """Markdown table: each config's last-100 score against the control (free_none) and the score-trained
-    agent (score_extrinsic), by the rule the results are read with: "beats" only where the gap of the means
-    exceeds the larger std over seeds, "below" where it falls short by as much; the seeds overlap unless every
-    seed of one lies above every seed of the other. With one seed on either side there is no std: no claim."""
+    agent (score_extrinsic; the control is not compared back), read by the rule the results are read with:
+    "beats" only where the gap of the means exceeds the larger sample std over seeds (ddof 1: the main table's
+    ± is ddof 0, which understates the spread of 2-3 seeds), "below" where it falls short by more than it,
+    else "within the std"; the seeds overlap unless every seed of one lies above every seed of the other.
+    With one seed on one side or both there is no std: no claim, "—"."""
     score = {name: [np.mean([e["score"] for e in s[-WINDOW:]]) for s in seeds]
              for name, seeds in runs.items()}
-    lines = ["| config | against | gap of means | larger std | reading | seeds overlap |", "|---" * 6 + "|"]
+    lines = ["| config | against | gap of means | larger std (ddof 1) | reading | seeds overlap |",
+             "|---" * 6 + "|"]
     for reference in ("free_none", "score_extrinsic"):
         for name, a in score.items():
-            if name == reference or reference not in score:
+            if name in (reference, "free_none") or reference not in score:
                 continue
-            b = score[reference]
-            gap, std = np.mean(a) - np.mean(b), max(np.std(a), np.std(b))
-            reading = ("no claim (one seed)" if min(len(a), len(b)) < 2 else
-                       "beats" if gap > std else "below" if -gap > std else "within the std")
+            b, gap = score[reference], np.mean(score[name]) - np.mean(score[reference])
+            if min(len(a), len(b)) < 2:
+                lines.append(f"| {name} | {reference} | {gap:+.2f} | — | no claim (one seed) | — |")
+                continue
+            std = max(np.std(a, ddof=1), np.std(b, ddof=1))
+            reading = "beats" if gap > std else "below" if -gap > std else "within the std"
             overlap = "no" if min(a) > max(b) or max(a) < min(b) else "yes"
             lines.append(f"| {name} | {reference} | {gap:+.2f} | {std:.2f} | {reading} | {overlap} |")
     return "\n".join(lines) + "\n" if len(lines) > 2 else ""
@@ -275,8 +281,8 @@ def report(dirs, out, figure):
     runs, figure, markdown = load_runs(dirs), figure or os.path.join(out, "curves.png"), os.path.join(out, "curves.md")
     made = {name: [commits(d) for d in seeds] for name, seeds in run_dirs(dirs).items()}
     plot(runs, figure)
-    text = table(runs, made) + (f"\nLast-{WINDOW} score against the baselines:\n\n" + comparisons(runs)
-                                if comparisons(runs) else "")
+    against = comparisons(runs)
+    text = table(runs, made) + (f"\nLast-{WINDOW} score against the baselines:\n\n{against}" if against else "")
     with open(markdown, "w") as f:
         f.write(text)
     print(text + f"figure: {figure}; table: {markdown}")

@@ -5,6 +5,7 @@ import math
 import os
 import sys
 
+import numpy as np
 import torch
 
 import learning_curves as lc
@@ -74,7 +75,7 @@ def test_table_and_figure(tmp_path, capsys):
     assert len(png) > 1000 and png[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_comparisons_claim_beats_only_beyond_the_larger_std_and_read_seed_overlap():
+def test_comparisons_claim_beats_only_beyond_the_larger_std_and_read_seed_overlap(tmp_path):
     def runs(**scores):  # config -> each seed's last-100 score
         return {name: [[{"score": x}] * lc.WINDOW for x in seeds] for name, seeds in scores.items()}
 
@@ -83,16 +84,31 @@ def test_comparisons_claim_beats_only_beyond_the_larger_std_and_read_seed_overla
         return {(cells[0], cells[1]): cells[2:] for cells in lines}
 
     got = readings(lc.comparisons(runs(free_none=[5, 9], score_extrinsic=[10, 14], free_ranking=[30, 32],
-                                       free_retrieval=[8, 20], free_classification=[1, 3])))
-    assert got[("free_ranking", "free_none")] == ["+24.00", "2.00", "beats", "no"]
-    assert got[("free_retrieval", "free_none")] == ["+7.00", "6.00", "beats", "yes"]  # 8 < 9: seeds overlap
-    assert got[("free_retrieval", "score_extrinsic")] == ["+2.00", "6.00", "within the std", "yes"]
-    assert got[("free_classification", "free_none")] == ["-5.00", "2.00", "below", "no"]
-    assert got[("free_none", "score_extrinsic")] == ["-5.00", "2.00", "below", "no"]
-    assert ("score_extrinsic", "score_extrinsic") not in got and len(got) == 8
-    one = readings(lc.comparisons(runs(free_none=[5], free_ranking=[30, 32])))
-    assert one == {("free_ranking", "free_none"): ["+26.00", "1.00", "no claim (one seed)", "no"]}
+                                       free_retrieval=[8, 24], free_classification=[1, 3], free_x=[12, 16])))
+    std = f"{np.std([8, 24], ddof=1):.2f}"  # 11.31: ddof 0 would say 8.00, and "beats" the control by 11
+    assert got[("free_ranking", "free_none")] == ["+24.00", "2.83", "beats", "no"]
+    assert got[("free_retrieval", "free_none")] == ["+9.00", std, "within the std", "yes"]
+    assert got[("free_retrieval", "score_extrinsic")] == ["+4.00", std, "within the std", "yes"]
+    assert got[("free_classification", "free_none")] == ["-5.00", "2.83", "below", "no"]
+    assert got[("score_extrinsic", "free_none")] == ["+5.00", "2.83", "beats", "no"]
+    assert got[("free_x", "free_none")] == ["+7.00", "2.83", "beats", "no"]
+    assert got[("free_x", "score_extrinsic")] == ["+2.00", "2.83", "within the std", "yes"]  # 12 < 14
+    assert ("free_none", "score_extrinsic") not in got and len(got) == 9  # the control is not compared back
+    edge = readings(lc.comparisons(runs(free_none=[1, 2, 3], free_x=[3, 3, 3])))  # gap 1 = std 1; 3 = 3
+    assert edge == {("free_x", "free_none"): ["+1.00", "1.00", "within the std", "yes"]}
+    one = readings(lc.comparisons(runs(free_none=[5, 9], score_extrinsic=[11], free_ranking=[30])))
+    assert one[("score_extrinsic", "free_none")] == ["+4.00", "—", "no claim (one seed)", "—"]
+    assert one[("free_ranking", "score_extrinsic")] == ["+19.00", "—", "no claim (one seed)", "—"]
     assert lc.comparisons(runs(free_ranking=[30, 32])) == ""  # no baseline: no table
+
+    for config, scores in {"free_none": [1, 2], "free_ranking": [50, 60]}.items():
+        for seed, score in enumerate(scores, 1):
+            write_episodes(tmp_path / config / f"seed{seed}" / "episodes.jsonl",
+                           [{"return": 0.0, "steps": 1, "score": score, "kills": 0, "depth": 1, "explored": 1}] * 3)
+    assert lc.main(["--plot", str(tmp_path / "free_none"), str(tmp_path / "free_ranking"), "--out",
+                    str(tmp_path / "out")]) == 0
+    written = open(tmp_path / "out" / "curves.md").read().split("\n\n")
+    assert readings(written[-1]) == {("free_ranking", "free_none"): ["+53.50", "7.07", "beats", "no"]}
 
 
 def test_execute(tmp_path):

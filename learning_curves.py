@@ -282,7 +282,8 @@ def report(dirs, out, figure):
     made = {name: [commits(d) for d in seeds] for name, seeds in run_dirs(dirs).items()}
     plot(runs, figure)
     against = comparisons(runs)
-    text = table(runs, made) + (f"\nLast-{WINDOW} score against the baselines:\n\n{against}" if against else "")
+    text = table(runs, made) + (f"\nLast-{WINDOW} score against the baselines:\n\n{against}"
+                                if against else "")
     with open(markdown, "w") as f:
         f.write(text)
     print(text + f"figure: {figure}; table: {markdown}")

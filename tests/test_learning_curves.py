@@ -103,8 +103,8 @@ def test_comparisons_claim_beats_only_beyond_the_larger_std_and_read_seed_overla
 
     for config, scores in {"free_none": [1, 2], "free_ranking": [50, 60]}.items():
         for seed, score in enumerate(scores, 1):
-            write_episodes(tmp_path / config / f"seed{seed}" / "episodes.jsonl",
-                           [{"return": 0.0, "steps": 1, "score": score, "kills": 0, "depth": 1, "explored": 1}] * 3)
+            episode = {"return": 0.0, "steps": 1, "score": score, "kills": 0, "depth": 1, "explored": 1}
+            write_episodes(tmp_path / config / f"seed{seed}" / "episodes.jsonl", [episode] * 3)
     assert lc.main(["--plot", str(tmp_path / "free_none"), str(tmp_path / "free_ranking"), "--out",
                     str(tmp_path / "out")]) == 0
     written = open(tmp_path / "out" / "curves.md").read().split("\n\n")

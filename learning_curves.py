@@ -96,9 +96,10 @@ def run_all(args, extra):
                 evaluate_after(run_dir, args.eval_after)
                 continue
             os.makedirs(run_dir, exist_ok=True)
-            episodes = os.path.join(run_dir, "episodes.jsonl")
-            if "--run-dir" in command and os.path.exists(episodes):  # a fresh start must not append to old episodes
-                os.replace(episodes, episodes + ".old")
+            for log in ("episodes.jsonl", "labels.jsonl"):  # a start that saved no checkpoint: its logs set aside
+                path = os.path.join(run_dir, log)
+                if "--run-dir" in command and os.path.exists(path):
+                    os.replace(path, path + ".old")
             if os.path.exists(os.path.join(run_dir, "eval.json")):  # an evaluation of a policy that trains on
                 os.replace(os.path.join(run_dir, "eval.json"), os.path.join(run_dir, "eval.json.old"))
             print(f"{name}/seed{seed}: start {' '.join(command[1:])}", flush=True)

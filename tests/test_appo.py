@@ -393,6 +393,20 @@ def test_bad_flags_are_one_line_errors(argv, message, tmp_path):
     assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
 
 
+@pytest.mark.parametrize("files", [["episodes.jsonl", "labels.jsonl"], ["checkpoint.pt"]])
+def test_a_fresh_start_into_an_earlier_runs_directory_is_refused(files, tmp_path):
+    """A run killed before its first checkpoint left its logs: a fresh start appended the new run's labels to them
+    (five_1m's Classification seed 3), and one into a finished run's directory would overwrite its checkpoint."""
+    for name in files:
+        (tmp_path / name).write_text("earlier\n")
+    with pytest.raises(SystemExit) as stop:
+        oni_appo.parse_args(["--run-dir", str(tmp_path)])
+    assert str(stop.value) == (f"error: --run-dir {tmp_path} holds an earlier run ({', '.join(files)}): "
+                               "--resume it or choose another directory")
+    assert all((tmp_path / name).read_text() == "earlier\n" for name in files)  # nothing touched
+    assert oni_appo.parse_args(["--run-dir", str(tmp_path / "new")]).run_dir == str(tmp_path / "new")
+
+
 def test_corrupt_and_mismatched_checkpoints_are_clear_errors(tmp_path):
     corrupt = tmp_path / "corrupt.pt"
     corrupt.write_bytes(b"\x80\x02 not a checkpoint")

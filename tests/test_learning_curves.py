@@ -124,6 +124,7 @@ def test_runner_commands(tmp_path, monkeypatch):
     os.makedirs(out / "free_none" / "seed2")
     (out / "free_none" / "seed2" / "checkpoint.pt").write_bytes(b"")  # interrupted
     write_episodes(out / "free_ranking" / "seed1" / "episodes.jsonl", [{"steps": 1}])  # a start that saved nothing
+    (out / "free_ranking" / "seed1" / "labels.jsonl").write_text('{"caption": "It\'s a wall.", "label": 0}\n')
     calls = []
 
     def fake_execute(command, log):
@@ -147,7 +148,8 @@ def test_runner_commands(tmp_path, monkeypatch):
     assert set(json.load(open(out / "wall_times.json"))) == {"free_none/seed2", "free_ranking/seed1",
                                                               "free_ranking/seed2"}
     assert os.path.exists(out / "free_ranking" / "seed1" / "console.log")
-    assert sorted(os.listdir(out / "free_ranking" / "seed1")) == ["console.log", "episodes.jsonl.old"]  # set aside
+    assert sorted(os.listdir(out / "free_ranking" / "seed1")) == ["console.log", "episodes.jsonl.old",
+                                                                 "labels.jsonl.old"]  # set aside, not appended to
 
     # --steps overrides every config (2e9 parses); the summary's 500,123 steps are no longer complete
     calls.clear()

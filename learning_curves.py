@@ -96,7 +96,8 @@ def run_all(args, extra):
                 evaluate_after(run_dir, args.eval_after)
                 continue
             os.makedirs(run_dir, exist_ok=True)
-            for log in ("episodes.jsonl", "labels.jsonl"):  # a start that saved no checkpoint: its logs set aside
+            # A start that saved no checkpoint left logs that oni_appo.py will not start over: set them aside.
+            for log in ("episodes.jsonl", "labels.jsonl"):
                 path = os.path.join(run_dir, log)
                 if "--run-dir" in command and os.path.exists(path):
                     os.replace(path, path + ".old")

@@ -175,10 +175,11 @@ def parse_args(argv=None) -> Args:
         name = f"{args.task.split('Extended')[0]}__{args.reward_type}__{args.seed}__{int(time.time())}"
         args.run_dir = os.path.join("runs", name)
     earlier = [name for name in ("checkpoint.pt", "episodes.jsonl", annotator.LABELS_FILE)
-               if args.resume is None and os.path.exists(os.path.join(args.run_dir, name))]
-    if earlier:  # A fresh start there would overwrite the checkpoint and append to the earlier run's logs.
+               if os.path.exists(os.path.join(args.run_dir, name))]
+    if earlier and args.resume is None:  # A fresh start would overwrite its checkpoint, append to its logs.
+        remedy = "--resume it" if "checkpoint.pt" in earlier else "move them aside"
         fail(f"--run-dir {args.run_dir} holds an earlier run ({', '.join(earlier)}): "
-             "--resume it or choose another directory")
+             f"{remedy} or choose another")
     return args
 
 

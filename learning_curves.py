@@ -80,6 +80,15 @@ def execute(command, log):
             raise
 
 
+def set_aside(path):
+    """path -> path.old, or .old2, .old3... if taken: a second start killed early keeps the first one's logs."""
+    old, n = path + ".old", 1
+    while os.path.exists(old):
+        n += 1
+        old = f"{path}.old{n}"
+    os.replace(path, old)
+
+
 def run_all(args, extra):
     """Runs every config x seed in turn; returns the number of failed runs."""
     times_path = os.path.join(args.out, "wall_times.json")
@@ -98,11 +107,10 @@ def run_all(args, extra):
             os.makedirs(run_dir, exist_ok=True)
             # A start that saved no checkpoint left logs that oni_appo.py will not start over: set them aside.
             for log in ("episodes.jsonl", "labels.jsonl"):
-                path = os.path.join(run_dir, log)
-                if "--run-dir" in command and os.path.exists(path):
-                    os.replace(path, path + ".old")
+                if "--run-dir" in command and os.path.exists(os.path.join(run_dir, log)):
+                    set_aside(os.path.join(run_dir, log))
             if os.path.exists(os.path.join(run_dir, "eval.json")):  # an evaluation of a policy that trains on
-                os.replace(os.path.join(run_dir, "eval.json"), os.path.join(run_dir, "eval.json.old"))
+                set_aside(os.path.join(run_dir, "eval.json"))
             print(f"{name}/seed{seed}: start {' '.join(command[1:])}", flush=True)
             start = time.time()
             with open(os.path.join(run_dir, "console.log"), "a") as log:

@@ -150,6 +150,11 @@ def test_runner_commands(tmp_path, monkeypatch):
     assert os.path.exists(out / "free_ranking" / "seed1" / "console.log")
     assert sorted(os.listdir(out / "free_ranking" / "seed1")) == ["console.log", "episodes.jsonl.old",
                                                                  "labels.jsonl.old"]  # set aside, not appended to
+    write_episodes(out / "free_ranking" / "seed1" / "episodes.jsonl", [{"steps": 2}])  # killed early again
+    assert lc.main(["--configs", "free_ranking", "--seeds", "1", "--out", str(out)]) == 0
+    assert sorted(os.listdir(out / "free_ranking" / "seed1")) == ["console.log", "episodes.jsonl.old",
+                                                                 "episodes.jsonl.old2", "labels.jsonl.old"]
+    assert lc.load_episodes(out / "free_ranking" / "seed1" / "episodes.jsonl.old")[0]["steps"] == 1  # the first kept
 
     # --steps overrides every config (2e9 parses); the summary's 500,123 steps are no longer complete
     calls.clear()

@@ -80,13 +80,15 @@ def execute(command, log):
             raise
 
 
-def set_aside(path):
-    """path -> path.old, or .old2, .old3... if taken: a second start killed early keeps the first one's logs."""
-    old, n = path + ".old", 1
-    while os.path.exists(old):
+def set_aside(run_dir, names):
+    """Moves names out of run_dir into run_dir/earlier_N (the first N free): what one earlier start left stays
+    together, and apart from the next start's (tensorboard shows it as a run of its own)."""
+    n = 1
+    while os.path.exists(os.path.join(run_dir, f"earlier_{n}")):
         n += 1
-        old = f"{path}.old{n}"
-    os.replace(path, old)
+    os.makedirs(os.path.join(run_dir, f"earlier_{n}"))
+    for name in names:
+        os.replace(os.path.join(run_dir, name), os.path.join(run_dir, f"earlier_{n}", name))
 
 
 def run_all(args, extra):
@@ -105,12 +107,13 @@ def run_all(args, extra):
                 evaluate_after(run_dir, args.eval_after)
                 continue
             os.makedirs(run_dir, exist_ok=True)
-            # A start that saved no checkpoint left logs that oni_appo.py will not start over: set them aside.
-            for log in ("episodes.jsonl", "labels.jsonl"):
-                if "--run-dir" in command and os.path.exists(os.path.join(run_dir, log)):
-                    set_aside(os.path.join(run_dir, log))
-            if os.path.exists(os.path.join(run_dir, "eval.json")):  # an evaluation of a policy that trains on
-                set_aside(os.path.join(run_dir, "eval.json"))
+            # A start killed before its first checkpoint left logs that oni_appo.py refuses to append to, and an
+            # evaluation is of a policy that now trains on: both are set aside.
+            fresh = "--resume" not in command
+            stale = sorted(name for name in os.listdir(run_dir) if name == "eval.json" or fresh and (
+                name in ("episodes.jsonl", "labels.jsonl") or name.startswith("events.out.tfevents")))
+            if stale:
+                set_aside(run_dir, stale)
             print(f"{name}/seed{seed}: start {' '.join(command[1:])}", flush=True)
             start = time.time()
             with open(os.path.join(run_dir, "console.log"), "a") as log:

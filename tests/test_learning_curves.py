@@ -123,6 +123,8 @@ def test_runner_commands(tmp_path, monkeypatch):
     (out / "free_none" / "seed1" / "summary.json").write_text(json.dumps({"env_steps": 500_123}))  # complete
     os.makedirs(out / "free_none" / "seed2")
     (out / "free_none" / "seed2" / "checkpoint.pt").write_bytes(b"")  # interrupted
+    write_episodes(out / "free_none" / "seed2" / "episodes.jsonl",  # the resume goes on with it
+                   [dict.fromkeys(("score", "kills", "depth", "explored", "steps"), 1)])
     write_episodes(out / "free_ranking" / "seed1" / "episodes.jsonl", [{"steps": 1}])  # a start that saved nothing
     (out / "free_ranking" / "seed1" / "labels.jsonl").write_text('{"caption": "It\'s a wall.", "label": 0}\n')
     calls = []
@@ -148,13 +150,15 @@ def test_runner_commands(tmp_path, monkeypatch):
     assert set(json.load(open(out / "wall_times.json"))) == {"free_none/seed2", "free_ranking/seed1",
                                                               "free_ranking/seed2"}
     assert os.path.exists(out / "free_ranking" / "seed1" / "console.log")
-    assert sorted(os.listdir(out / "free_ranking" / "seed1")) == ["console.log", "episodes.jsonl.old",
-                                                                 "labels.jsonl.old"]  # set aside, not appended to
-    write_episodes(out / "free_ranking" / "seed1" / "episodes.jsonl", [{"steps": 2}])  # killed early again
+    assert sorted(os.listdir(out / "free_none" / "seed2")) == ["checkpoint.pt", "console.log", "episodes.jsonl"]
+    seed1 = out / "free_ranking" / "seed1"
+    assert sorted(os.listdir(seed1)) == ["console.log", "earlier_1"]  # set aside, not appended to
+    assert sorted(os.listdir(seed1 / "earlier_1")) == ["episodes.jsonl", "labels.jsonl"]
+    write_episodes(seed1 / "episodes.jsonl", [{"steps": 2}])  # killed early again, with its tensorboard events
+    (seed1 / "events.out.tfevents.2").write_bytes(b"")
     assert lc.main(["--configs", "free_ranking", "--seeds", "1", "--out", str(out)]) == 0
-    assert sorted(os.listdir(out / "free_ranking" / "seed1")) == ["console.log", "episodes.jsonl.old",
-                                                                 "episodes.jsonl.old2", "labels.jsonl.old"]
-    assert lc.load_episodes(out / "free_ranking" / "seed1" / "episodes.jsonl.old")[0]["steps"] == 1  # the first kept
+    assert sorted(os.listdir(seed1 / "earlier_2")) == ["episodes.jsonl", "events.out.tfevents.2"]
+    assert lc.load_episodes(seed1 / "earlier_1" / "episodes.jsonl")[0]["steps"] == 1  # the first start's kept
 
     # --steps overrides every config (2e9 parses); the summary's 500,123 steps are no longer complete
     calls.clear()
@@ -325,4 +329,4 @@ def test_eval_after_skips_a_stopped_run_and_a_resume_sets_its_evaluation_aside(t
     assert lc.main(argv) == 0 and calls == ["oni_appo.py"]  # stopped: not evaluated
     (run / "eval.json").write_text(json.dumps({"episodes": []}))  # as an earlier version evaluated it
     assert lc.main(argv) == 0 and calls[1:] == ["oni_appo.py", "evaluate.py", "evaluate.py"]
-    assert os.path.exists(run / "eval.json.old")
+    assert os.listdir(run / "earlier_1") == ["eval.json"]  # the earlier evaluation, kept; episodes not (a resume)

@@ -175,11 +175,9 @@ def parse_args(argv=None) -> Args:
         name = f"{args.task.split('Extended')[0]}__{args.reward_type}__{args.seed}__{int(time.time())}"
         args.run_dir = os.path.join("runs", name)
     earlier = [name for name in ("checkpoint.pt", "episodes.jsonl", annotator.LABELS_FILE)
-               if os.path.exists(os.path.join(args.run_dir, name))]
-    if earlier and args.resume is None:  # A fresh start would overwrite its checkpoint, append to its logs.
-        remedy = "--resume it" if "checkpoint.pt" in earlier else "move them aside"
-        fail(f"--run-dir {args.run_dir} holds an earlier run ({', '.join(earlier)}): "
-             f"{remedy} or choose another")
+               if args.resume is None and os.path.exists(os.path.join(args.run_dir, name))]
+    if earlier:  # A fresh start would overwrite its checkpoint and append to its logs.
+        fail(f"--run-dir {args.run_dir} holds a run ({', '.join(earlier)}): --resume it, or move them aside")
     return args
 
 

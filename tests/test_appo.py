@@ -401,9 +401,8 @@ def test_a_fresh_start_into_an_earlier_runs_directory_is_refused(files, tmp_path
         (tmp_path / name).write_text("earlier\n")
     with pytest.raises(SystemExit) as stop:
         oni_appo.parse_args(["--run-dir", str(tmp_path)])
-    remedy = "--resume it" if "checkpoint.pt" in files else "move them aside"  # no checkpoint: nothing to resume
-    assert str(stop.value) == (f"error: --run-dir {tmp_path} holds an earlier run ({', '.join(files)}): "
-                               f"{remedy} or choose another")
+    assert str(stop.value) == (f"error: --run-dir {tmp_path} holds a run ({', '.join(files)}): "
+                               "--resume it, or move them aside")
     assert all((tmp_path / name).read_text() == "earlier\n" for name in files)  # nothing touched
     assert oni_appo.parse_args(["--run-dir", str(tmp_path / "new")]).run_dir == str(tmp_path / "new")
 

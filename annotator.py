@@ -1,12 +1,15 @@
 """The annotator: a subprocess that asks OpenAI-compatible LLM servers about the agent's messages.
 
-Captions and pairs come from the learner on a queue into a bounded backlog, asked oldest first; each answer
-goes to `labels.jsonl` and to a LabelTable in a `multiprocessing.Manager`, which the learner reads in bulk.
-A server that is down, slow or dies never blocks training; an error that retrying cannot fix stops the run."""
+Captions (with the pay weight each has accrued unlabelled) and pairs come from the learner on a queue into a
+bounded backlog, asked most worth first; each answer goes to `labels.jsonl` and to a LabelTable in a
+`multiprocessing.Manager`, which the learner reads in bulk. A server that is down, slow or dies never blocks
+training; an error that retrying cannot fix stops the run."""
 import collections
 import concurrent.futures
 import contextlib
 import hashlib
+import heapq
+import itertools
 import json
 import multiprocessing.managers
 import os
@@ -27,6 +30,9 @@ EMBEDDED_CONCURRENCY = 2  # llama.cpp answers one at a time: a second request on
 TIMEOUT_S, MAX_BACKOFF_S = 60.0, 30.0  # a request's limit; the longest pause of a server that keeps failing
 TOKENIZE_BACKOFF_S = (0.5, 1.0, 2.0)  # start-up retries of the server's tokenize endpoint
 CHECK_EVERY_S, MAX_RESTARTS = 5.0, 5  # LabelClient.check(): how often it reads the stats; restarts
+UNKNOWN_RETRY_S = 60.0  # a caption answered with no label is asked again after this, if sent again
+EMBEDDED_SHARE = 0.25  # The embedded server's busy share of wall time: its cores are the learner's too.
+MAX_CREDIT_S = 5.0  # An idle labeler saves up at most this much busy time for a burst.
 UNPARSEABLE = object()
 
 # --- Prompts: chat ones let an instruct model reason first (the paper's); completion ones show examples.
@@ -56,6 +62,7 @@ DEMOS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "label_set
 DEMOS_PER_LABEL = 4  # At 2 a label, even kills scored too low.
 # Helpful when Labeler.score > THRESHOLD, chosen by `label_quality.py --calibrate` (benchmarks/README.md).
 THRESHOLD, TIE_MARGIN = 0.80, 0.5  # pairs: see preference()
+SCORE_SPAN, BISECTIONS = 8.0, 6  # A score without log-probabilities: to 8 / 2^6, clamped 8 from THRESHOLD.
 LABEL_TAG = re.compile(r"<label>\s*(FOO|BAR)\s*</label>", re.IGNORECASE)
 PREFERENCE = re.compile(r"best_description\"?\s*:\s*\"?(1|2|None)", re.IGNORECASE)
 
@@ -206,7 +213,9 @@ class Labeler:  # turns a caption or pair into a label with one HTTP request to 
         self.demos = demos  # the demonstration pool; None: the default
         self.model, self.prompts, self.style = model, prompts, None  # style: set once the model is known
         self.scores = {}  # completion style: scores of single messages, reused across pairs
-        self.scored, self.fallback_said = None if scored else False, threading.Lock()  # None: not known yet
+        self.wants_scores, self.llama_cpp = scored, False  # Ranking's pairs compare scores, the rest labels
+        self.fallback_said = threading.Lock()
+        self.logprobs = None if scored else False  # whether the server returns them; None: not known yet
         self.key = llm_server.auth_headers()  # sent on every request: a server may want it for each endpoint
 
     def call(self, url, body=None, timeout_s=None):
@@ -228,8 +237,10 @@ class Labeler:  # turns a caption or pair into a label with one HTTP request to 
                 if None not in self.token_ids.values():
                     break
             self.restricted = None not in self.token_ids.values()
+            if self.restricted and self.llama_cpp:  # its log-probabilities cost ~7 labels: bisection instead
+                self.logprobs = False
             if not self.restricted:  # a greedy token cannot carry THRESHOLD: scores, if the server has them
-                self.scored = None
+                self.logprobs = None
                 print("annotator: the server did not tokenize ' Yes'/' No': "
                       "answers are not restricted to them", file=sys.stderr, flush=True)
             self.demos = self.demos or load_demos()
@@ -242,6 +253,7 @@ class Labeler:  # turns a caption or pair into a label with one HTTP request to 
                            ("/tokenize", {"model": self.model, "prompt": word})):
             with contextlib.suppress(Exception):  # no such endpoint, or no answer: the next one
                 tokens = self.call(root + path, body, timeout_s=10)["tokens"]
+                self.llama_cpp = path == "/extras/tokenize"
                 return tokens[-1] if len(tokens) <= 2 else None  # [BOS,] token; else no single token
         return None
 
@@ -249,13 +261,16 @@ class Labeler:  # turns a caption or pair into a label with one HTTP request to 
         return self.call(self.urls[server] + "/completions", {"model": self.model, "prompt": prompt,
                          "max_tokens": 1, "temperature": 0.0, **options})["choices"][0]
 
-    def score(self, caption, server):
-        """A base model's score of a caption, helpful above THRESHOLD: logp(" Yes") - logp(" No") where the
-        server returns log-probabilities, else a greedy token restricted to ' Yes'/' No' by logit biases (the
-        favourite +100, the most every backend accepts, ' Yes' THRESHOLD less: the same decision)."""
+    def score(self, caption, server, precise=True):
+        """A base model's score of a caption, helpful above THRESHOLD: logp(" Yes") - logp(" No"), read from
+        the log-probabilities where the server returns them (vLLM). llama.cpp computes them over every prompt
+        token (~7x the cost of a label), so there greedy tokens restricted to ' Yes'/' No' by logit biases
+        answer "is the score above t?" (the favourite +100, the most every backend accepts, ' Yes' t less):
+        t = THRESHOLD gives the label; where a `precise` score is wanted (Ranking's pairs), BISECTIONS more
+        halve its interval, each ~15 ms as the server's cache holds the prompt."""
         prompt = fill(self.prompts, "label_completion", caption=caption,
                       examples=demonstrations(caption, self.demos))
-        if self.scored is not False:
+        if self.logprobs is not False:
             try:
                 choice = self.first_token(prompt, server, logprobs=5)
             except urllib.error.HTTPError as error:  # llama.cpp without --logits_all: HTTP 500 that says so
@@ -263,20 +278,38 @@ class Labeler:  # turns a caption or pair into a label with one HTTP request to 
                     raise
                 choice = {}
             top = ((choice.get("logprobs") or {}).get("top_logprobs") or [{}])[0]
-            self.scored = bool(top)  # whether the server returns log-probabilities
+            self.logprobs = bool(top)  # whether the server returns log-probabilities
             if top:
                 floor = min(top.values())  # a word not among the top ones is at most as likely as the last
                 return (top.get(" Yes", floor) - top.get(" No", floor) if " Yes" in top or " No" in top
                         else UNPARSEABLE)
             if self.fallback_said.acquire(blocking=False):  # once, whichever request found out first
-                print("annotator: the server returns no log-probabilities: a label is its greedy Yes/No, "
-                      "a pair's preference comes from two labels", file=sys.stderr, flush=True)
+                print("annotator: the server returns no log-probabilities: scores come from greedy Yes/No "
+                      "answers under logit biases", file=sys.stderr, flush=True)
+        if not self.restricted:  # the model's own greedy answer: argmax, a label with no THRESHOLD
+            label = parse_choice(self.first_token(prompt, server, logit_bias=None)["text"], {"yes": 1, "no": 0})
+            return label if label is UNPARSEABLE else THRESHOLD + (1.0 if label else -1.0)
         yes, no = (str(self.token_ids[word]) for word in (" Yes", " No"))
-        logit_bias = ({yes: 100.0 - max(0.0, THRESHOLD), no: 100.0 - max(0.0, -THRESHOLD)} if self.restricted
-                      else None)
-        label = parse_choice(self.first_token(prompt, server, logit_bias=logit_bias)["text"],
-                             {"yes": 1, "no": 0})
-        return label if label is UNPARSEABLE else THRESHOLD + (1.0 if label else -1.0)
+
+        def above(t):
+            bias = {yes: 100.0 - max(0.0, t), no: 100.0 - max(0.0, -t)}
+            return parse_choice(self.first_token(prompt, server, logit_bias=bias)["text"],
+                                {"yes": True, "no": False})
+        if (label := above(THRESHOLD)) is UNPARSEABLE:
+            return UNPARSEABLE
+        low, high = (THRESHOLD, THRESHOLD + SCORE_SPAN) if label else (THRESHOLD - SCORE_SPAN, THRESHOLD)
+        precise = precise and self.wants_scores
+        for _ in range(BISECTIONS if precise else 0):
+            if (side := above((low + high) / 2)) is UNPARSEABLE:
+                return UNPARSEABLE
+            low, high = ((low + high) / 2, high) if side else (low, (low + high) / 2)
+        return (low + high) / 2 if precise else THRESHOLD + (1.0 if label else -1.0)
+
+    def known(self, item):  # a pair's preference from the scores of both its messages, else UNPARSEABLE
+        if self.style != "completion" or not isinstance(item, tuple):
+            return UNPARSEABLE
+        first, second = (self.scores.get(as_asked(m), UNPARSEABLE) for m in item)
+        return UNPARSEABLE if UNPARSEABLE in (first, second) else preference(first, second)
 
     def ask(self, item, server=0):  # the parsed answer about a caption (str) or a (first, second) pair
         is_pair = isinstance(item, tuple)
@@ -291,7 +324,8 @@ class Labeler:  # turns a caption or pair into a label with one HTTP request to 
             })["choices"][0]["message"]["content"]
             return parse_preference(text) if is_pair else parse_label(text)
         if not is_pair:
-            return score if (score := self.score(item, server)) is UNPARSEABLE else int(score > THRESHOLD)
+            score = self.score(item, server, precise=False)
+            return score if score is UNPARSEABLE else int(score > THRESHOLD)
         # A small base model compares two messages by position: a pair's preference comes from both scores.
         first, second = (self.scores[m] if m in self.scores else self.score(m, server) for m in item)
         if UNPARSEABLE in (first, second):
@@ -328,12 +362,54 @@ class Manager(multiprocessing.managers.SyncManager):
 Manager.register("LabelTable", LabelTable, exposed=("put", "since", "settled"))
 
 
+class Backlog:
+    """What waits to be asked, the most worth first (the oldest of equals): a caption's worth is the pay
+    weight it has accrued while unlabelled (the learner's figure), so a message paid often is asked before a
+    rare one seen earlier; a pair's, its messages' pay weights, so that the scores most pairs need come
+    first. Full, it keeps the 90% worth most (a heap, stale entries skipped)."""
+    def __init__(self):
+        self.items, self.worth, self.heap, self.order = {}, {}, [], itertools.count()
+
+    def __len__(self): return len(self.items)
+
+    def put(self, key, item, worth=0.0) -> int:  # how many the bound dropped
+        self.worth[key] = max(worth, self.worth.get(key, 0.0))  # totals: a lost or late message is harmless
+        self.items[key] = item
+        heapq.heappush(self.heap, (-self.worth[key], next(self.order), key))
+        if len(self.items) <= MAX_BACKLOG and len(self.heap) <= 4 * MAX_BACKLOG:
+            return 0
+        keep = len(self.items) if len(self.items) <= MAX_BACKLOG else int(0.9 * MAX_BACKLOG)  # else stale
+        kept = heapq.nsmallest(keep, ((-self.worth[k], n, k) for n, k in enumerate(self.items)))
+        dropped = len(self.items) - len(kept)
+        self.items, self.heap = {k: self.items[k] for _, _, k in kept}, kept
+        heapq.heapify(self.heap)
+        return dropped
+
+    def peek(self):  # the key worth most (the oldest of equals), or None
+        while self.heap:
+            worth, _, key = self.heap[0]
+            if key in self.items and -worth == self.worth[key]:
+                return key
+            heapq.heappop(self.heap)  # asked already, or its worth grew since: a newer entry stands
+        return None
+
+    def pop(self, key):
+        return self.items.pop(key)
+
+    def forget(self, key):  # answered for good: its worth is no longer needed
+        self.worth.pop(key, None)
+
+
 def serve(*, urls, model, prompts, concurrency, run_dir, known, requests, table, stats, stop, scored,
-          demos=None, timeout_s=TIMEOUT_S):
-    """The annotator process: `concurrency` requests in flight, each to the least busy server not pausing."""
+          demos=None, timeout_s=TIMEOUT_S, share=1.0):
+    """The annotator process: `concurrency` requests in flight, each to the least busy server not pausing,
+    busy (a request in flight) at most `share` of wall time: the embedded server shares the learner's cores.
+    """
     labeler = Labeler(urls, model, prompts, timeout_s, scored, demos)
     asking = set()  # keys in flight: a retry of one must not ask it twice
-    backlog, attempts, in_flight = collections.OrderedDict(), collections.Counter(), {}
+    backlog, attempts, in_flight = Backlog(), collections.Counter(), {}
+    credit, last_turn = MAX_CREDIT_S * min(share, 1.0), time.time()  # busy seconds the share allows now
+    answered, unknown_until = [], {}  # this turn's answers, written together; when to ask an unknown again
     done = set(known) | set(table.settled())  # a restarted annotator does not ask again what is answered
     latencies, counts = collections.deque(maxlen=1000), collections.Counter(stats.copy())  # counts go on
     # Per server, as a dead one must not stall the rest: the next pause, when this one ends, when it began.
@@ -341,12 +417,22 @@ def serve(*, urls, model, prompts, concurrency, run_dir, known, requests, table,
     fatal, out = None, open(os.path.join(run_dir, LABELS_FILE), "a", buffering=1)  # each line flushed
     pool = concurrent.futures.ThreadPoolExecutor(concurrency)  # a thread per request in flight
 
-    def enqueue(item):
-        if (key := item_key(item)) and key not in done and key not in backlog and key not in asking:
-            if len(backlog) < MAX_BACKLOG:
-                backlog[key] = item
-            else:  # full: the new one waits, the learner asks again what stays unlabelled
-                counts["dropped"] += 1
+    def enqueue(item, worth=0.0):  # a dropped one waits: the learner sends again what stays unlabelled
+        if ((key := item_key(item)) and key not in done and key not in asking
+                and time.time() >= unknown_until.get(key, 0.0)):
+            if (known := labeler.known(item)) is not UNPARSEABLE:  # a pair of scored messages costs nothing
+                answered.append(settle(item, known))
+            else:
+                counts["dropped"] += backlog.put(key, item, worth)
+
+    def settle(item, value):  # the record of an answer; a final one is not asked again
+        if value is not None or isinstance(item, tuple):
+            done.add(item_key(item))
+            backlog.forget(item_key(item))
+        else:  # an unknown label may be asked again, later
+            unknown_until[item_key(item)] = time.time() + UNKNOWN_RETRY_S
+        return item_key(item), ({"pair": list(item), "preference": value} if isinstance(item, tuple)
+                                else {"caption": item, "label": value})
 
     def failed(server, error, started):  # down, 5xx, timeout: the server pauses, twice as long each time
         nonlocal fatal
@@ -358,10 +444,12 @@ def serve(*, urls, model, prompts, concurrency, run_dir, known, requests, table,
         fatal = fatal or fatal_reason(error)
     while not stop.is_set() and not fatal:
         with contextlib.suppress(queue.Empty):
-            captions, pairs = requests.get(timeout=0.05)
-            for item in [*captions, *pairs]:
-                enqueue(tuple(item) if isinstance(item, (list, tuple)) else item)
+            for items in requests.get(timeout=0.05):  # {caption: worth}, {(first, second): worth}
+                for item, worth in items.items():
+                    enqueue(item, worth)
         now = time.time()
+        credit = min(credit + (now - last_turn) * (share - bool(in_flight)), MAX_CREDIT_S * share)
+        last_turn = now
         ready = [s for s in range(len(urls)) if now >= resume_at[s]]
         if labeler.style is None and ready:
             try:
@@ -371,13 +459,17 @@ def serve(*, urls, model, prompts, concurrency, run_dir, known, requests, table,
             except Exception as error:
                 failed(ready[0], error, now)
         busy = collections.Counter(server for _, server, _ in in_flight.values())
-        while labeler.style and ready and backlog and len(in_flight) < concurrency:
+        while labeler.style and ready and (key := backlog.peek()) is not None:
+            if (known := labeler.known(backlog.items[key])) is not UNPARSEABLE:  # scored since it came
+                answered.append(settle(backlog.pop(key), known))
+                continue
+            if len(in_flight) >= concurrency or (share < 1 and credit <= 0):
+                break
             server = min(ready, key=busy.__getitem__)  # an even spread; a slower server gets fewer
             busy[server] += 1
-            item = backlog.popitem(last=False)[1]  # oldest first: the first messages seen are those seen most
+            item = backlog.pop(key)
             in_flight[pool.submit(labeler.ask, item, server)] = (item, server, time.time())
-            asking.add(item_key(item))
-        answered = []
+            asking.add(key)
         for future in [f for f in in_flight if f.done()]:
             item, server, started = in_flight.pop(future)
             asking.discard(item_key(item))
@@ -390,8 +482,8 @@ def serve(*, urls, model, prompts, concurrency, run_dir, known, requests, table,
                 continue
             pause_s[server] = 1.0
             latencies.append(time.time() - started)
-            if scored and labeler.scored is not None:  # (greedy by choice: no figure)
-                counts["answers_scored"] = int(labeler.scored)
+            if scored and labeler.logprobs is not None:  # scores from log-probabilities (1) or bisection
+                counts["answers_scored"] = int(labeler.logprobs)
             if answer is UNPARSEABLE:
                 counts["parse_failures"] += 1
                 attempts[item] += 1
@@ -399,16 +491,15 @@ def serve(*, urls, model, prompts, concurrency, run_dir, known, requests, table,
                     enqueue(item)  # once more
                     continue
                 answer = None  # unknown label / a tie
-            if answer is not None or isinstance(item, tuple):  # an unknown label may be asked again later
-                done.add(item_key(item))
-            answered.append((item_key(item), {"pair": list(item), "preference": answer}
-                             if isinstance(item, tuple) else {"caption": item, "label": answer}))
+            answered.append(settle(item, answer))
         if answered:  # on disk first: an annotator killed between the writes loses no label a resume needs
             out.write("".join(json.dumps(record) + "\n" for _, record in answered))
             table.put(answered)  # one round trip for all of this turn's answers
             counts["labels"] += len(answered)
+            answered = []
         ordered = sorted(latencies) or [0.0]
         stats.update(dict(counts), model=labeler.model, backlog=len(backlog), in_flight=len(in_flight),
+                     scores_cached=len(labeler.scores),
                      latency_p50=ordered[len(ordered) // 2], latency_p95=ordered[int(len(ordered) * 0.95)])
     if fatal:
         stats["fatal"] = fatal
@@ -453,11 +544,11 @@ class LabelClient:
         self.scored = getattr(self.args, "reward_type", "ranking") == "ranking"
         self.concurrency = getattr(self.args, "llm_concurrency", None) or (
             URL_CONCURRENCY if self.urls else EMBEDDED_CONCURRENCY)
+        self.share = getattr(self.args, "llm_share", None) or (1.0 if self.urls else EMBEDDED_SHARE)
         if not self.urls:
             self.server, url = llm_server.start(log_path=os.path.join(run_dir, "llm_server.log"),
                                                 threads=getattr(self.args, "llm_threads", None),
-                                                num_workers=getattr(self.args, "num_workers", 0),
-                                                scored=self.scored)
+                                                num_workers=getattr(self.args, "num_workers", 0))
             self.urls = [url]
             print(f"embedded LLM server at {url}", flush=True)
         try:
@@ -477,7 +568,7 @@ class LabelClient:
         process = self.ctx.Process(target=_serve_process, daemon=True, kwargs=dict(
             urls=self.urls, model=self.args.llm_model, prompts=self.prompts, concurrency=self.concurrency,
             run_dir=self.run_dir, known=self.known, requests=self.requests, table=self.table,
-            stats=self.shared_stats, stop=self.stop, scored=self.scored, demos=self.demos))
+            stats=self.shared_stats, stop=self.stop, scored=self.scored, demos=self.demos, share=self.share))
         process.start()
         self.process = process  # only once started: close() joins it
 
@@ -500,7 +591,7 @@ class LabelClient:
             self.launch()
             return True
 
-    def request(self, captions, pairs):
+    def request(self, captions: dict, pairs: dict):  # each with its worth (Backlog)
         if captions or pairs:
             with contextlib.suppress(queue.Full):  # the annotator is far behind: these will come round again
                 self.requests.put_nowait((captions, pairs))

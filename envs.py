@@ -1,7 +1,8 @@
 """The NetHack tasks of the ONI paper on NLE 1.3, with the paper's 28 "extended" actions.
 
 `make_env(task, seed)` or `gym.make` (the paper's names) builds one. A step's `info["message_count"]`
-is the N of ONI's 1/N^beta (its message's count in the episode); the last step's `info["episode"]` sums up."""
+is the N of ONI's 1/N^beta (its message's count in the episode); the last step's `info["episode"]` sums up,
+with how the episode ended (`end`) and that step's words (`end_text`)."""
 import re
 import gymnasium as gym
 import numpy as np
@@ -29,6 +30,10 @@ STONE_GLYPH = nethack.GLYPH_CMAP_OFF  # unexplored cells show the "dark part of 
 TASKS = {"NetHackScoreExtendedActions-v1": "score", "NetHackStaircaseExtendedActions-v1": ("depth", 2),
          "NetHackStaircaseLvl3ExtendedActions-v1": ("depth", 3),
          "NetHackStaircaseLvl4ExtendedActions-v1": ("depth", 4), "NetHackOracleExtendedActions-v1": "oracle"}
+# How a game ended, as NetHack records it (nethack.how_done(): DIED covers monsters, traps and gods alike).
+END_NAMES = {int(getattr(nethack, name)): name.lower() for name in (
+    "DIED", "CHOKING", "POISONING", "STARVING", "DROWNING", "BURNING", "DISSOLVED", "CRUSHING", "STONING",
+    "TURNED_SLIME", "GENOCIDED", "PANICKED", "TRICKED", "QUIT", "ESCAPED", "ASCENDED")}
 X, Y, SCORE, DEPTH, GOLD, XLVL, TIME, DNUM, DLEVEL = (
     nethack.NLE_BL_X, nethack.NLE_BL_Y, nethack.NLE_BL_SCORE, nethack.NLE_BL_DEPTH, nethack.NLE_BL_GOLD,
     nethack.NLE_BL_XP, nethack.NLE_BL_TIME, nethack.NLE_BL_DNUM, nethack.NLE_BL_DLEVEL)
@@ -100,7 +105,11 @@ class NetHackTask(base.NLE):
             info["episode"] = {"return": self._return, "steps": self._steps, "success": float(success),
                                "score": stats[SCORE], "depth": self._max_depth, "dlvl": stats[DEPTH],
                                "xlvl": stats[XLVL], "gold": stats[GOLD], "kills": self._kills,
-                               "explored": sum(self._explored.values())}
+                               "explored": sum(self._explored.values()),
+                               # How it ended, and the last step's words (a god's lightning is a DIED).
+                               "end": ("success" if success else "time limit" if truncated
+                                       else END_NAMES.get(int(self.nethack.how_done()), "died")),
+                               "end_text": " ".join(b" ".join(self._texts).decode("latin-1").split())[-300:]}
         if (success or truncated) and not done:
             # Quitting refills NLE's arrays: keep the last real observation, a truncation's bootstrap.
             obs = {k: v.copy() for k, v in obs.items()}

@@ -14,6 +14,7 @@ of every step, its action, message, the message's count N in the episode, its LL
 R/N^beta under the checkpoint's reward model (the learner's own code: what it would pay), and the env reward.
 K numbers the episodes in the order they start, as eval.json lists them.
 """
+import collections
 import glob
 import json
 import os
@@ -167,7 +168,8 @@ def evaluate(args: Args) -> dict:
                     if played[i][-1] < recorded:
                         write_replay(os.path.join(args.record, f"episode{played[i][-1]}.html"), records[i], intrinsic,
                                      f"{saved.task}, {'random actions' if args.random else path}, episode "
-                                     f"{played[i][-1]}", ", ".join(f"{k} {v:g}" for k, v in info["episode"].items()))
+                                     f"{played[i][-1]}", ", ".join(f"{k} {v if isinstance(v, str) else format(v, 'g')}"
+                                                                   for k, v in info["episode"].items()))
                         records[i] = {"screen": BLANK, "frames": [], "steps": []}
                     if started < args.episodes:
                         played[i].append(started)
@@ -178,13 +180,16 @@ def evaluate(args: Args) -> dict:
     for env in pool:
         env.close()  # NLE closes an episode's ttyrec at the next reset or here
     results = [episode for _, episode in sorted(results, key=lambda r: r[0])]  # in the order they started
-    summary = {k: float(np.mean([r[k] for r in results])) for k in results[0]}
+    summary = {k: float(np.mean([r[k] for r in results])) for k, v in results[0].items() if not isinstance(v, str)}
     print(f"{len(results)} episodes of {saved.task} with {'random actions' if args.random else path}:")
     for k, v in summary.items():
         print(f"  {k:10s} {v:12.2f} +- {np.std([r[k] for r in results]):.2f}")
+    ends = dict(collections.Counter(r["end"] for r in results))  # how they ended
+    print(f"  ends       {ends}")
     out = os.path.join(os.path.dirname(path), "eval_random.json" if args.random else "eval.json")
     with open(out, "w") as f:
-        json.dump({"checkpoint": path, "random_actions": args.random, "episodes": results, "mean": summary}, f, indent=1)
+        json.dump({"checkpoint": path, "random_actions": args.random, "episodes": results, "mean": summary,
+                   "ends": ends}, f, indent=1)
     if recorded:
         for i, episodes in enumerate(played):
             for reset, k in enumerate(episodes):

@@ -7,12 +7,14 @@
     python learning_curves.py --eval results/curves/score_extrinsic results/curves/free_ranking
     python learning_curves.py --eval results/curves/free_retrieval --record   # + first episode's replay
 
-Configurations (steps by default):
+Configurations (steps by default; the first five by default):
     score_extrinsic  --task NetHackScoreExtendedActions-v1 --reward-type none           1,000,000
     free_none        --extrinsic-coef 0 --reward-type none                                500,000
     free_retrieval   --extrinsic-coef 0 --reward-type retrieval                           500,000
     free_ranking     --extrinsic-coef 0 --reward-type ranking                             500,000
     free_classification --extrinsic-coef 0 --reward-type classification                   500,000
+    stairs_task, stairs_retrieval, stairs_classification, stairs_ranking, stairs_ellm
+                     --task NetHackStaircaseExtendedActions-v1 --reward-type none|...|ellm  1,000,000
 Each run goes to OUT/CONFIG/seedS (console.log holds its output). Runs are resumable: a run whose
 summary.json reached the steps is skipped, one with a checkpoint.pt is continued with --resume.
 Everything after `--` goes verbatim to oni_appo.py. OUT/wall_times.json holds each run's wall time.
@@ -42,7 +44,7 @@ import warnings
 import numpy as np
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-SCORE = "NetHackScoreExtendedActions-v1"
+SCORE, STAIRS = "NetHackScoreExtendedActions-v1", "NetHackStaircaseExtendedActions-v1"
 # name: (task, reward type, extrinsic coef (None: oni_appo's default), default env steps)
 CONFIGS = {
     "score_extrinsic": (SCORE, "none", None, 1_000_000),
@@ -50,6 +52,12 @@ CONFIGS = {
     "free_retrieval": (SCORE, "retrieval", 0, 500_000),
     "free_ranking": (SCORE, "ranking", 0, 500_000),
     "free_classification": (SCORE, "classification", 0, 500_000),
+    # The sparse task with its reward at the paper's coefficient (c_ext 10): alone, with each ONI reward, ELLM.
+    "stairs_task": (STAIRS, "none", None, 1_000_000),
+    "stairs_retrieval": (STAIRS, "retrieval", None, 1_000_000),
+    "stairs_classification": (STAIRS, "classification", None, 1_000_000),
+    "stairs_ranking": (STAIRS, "ranking", None, 1_000_000),
+    "stairs_ellm": (STAIRS, "ellm", None, 1_000_000),
 }
 METRICS = ["score", "kills", "depth", "explored", "intrinsic_return"]
 TITLES = {"xlvl": "experience level", "intrinsic_rewarded_fraction": "share of an episode's steps paid"}
@@ -355,7 +363,7 @@ def main(argv=None):
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     argv = argv[:argv.index("--")] if "--" in argv else argv
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
+    parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS)[:5])
     parser.add_argument("--seeds", nargs="+", type=int, default=[1])
     parser.add_argument("--steps", type=lambda s: int(float(s)), default=None,
                         help="env steps of every config (accepts 2e9; default: each config's own)")

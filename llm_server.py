@@ -51,8 +51,8 @@ def server_environment(backend) -> dict:
 
 
 def build_command(backend, model, host, port, threads=None, tensor_parallel_size=1, num_workers=0,
-                  gpu_memory_utilization=0.5, scored=True):
-    """The server's command line, once backend and model are checked; scoring needs every token's logits."""
+                  gpu_memory_utilization=0.5):
+    """The server's command line, once backend and model are checked."""
     if backend not in BACKENDS:
         raise SystemExit(f"error: unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if importlib.util.find_spec(backend) is None:
@@ -71,7 +71,6 @@ def build_command(backend, model, host, port, threads=None, tensor_parallel_size
         return [sys.executable, "-m", "llama_cpp.server", "--model", model, "--host", host,
                 "--port", str(port),
                 "--n_threads", str(threads or max(1, (os.cpu_count() or 1) - num_workers)), "--n_ctx", "2048",
-                "--logits_all", str(scored).lower(),
                 "--model_alias", os.path.basename(model).removesuffix(".gguf")]
     if model is None:
         raise SystemExit("error: --backend vllm needs --model (a Hugging Face name or a local path)")
@@ -84,7 +83,7 @@ def build_command(backend, model, host, port, threads=None, tensor_parallel_size
 
 
 def start(backend="llama_cpp", model=None, host="127.0.0.1", port=None, threads=None, tensor_parallel_size=1,
-          log_path=None, timeout_s=600.0, num_workers=0, gpu_memory_utilization=0.5, scored=True):
+          log_path=None, timeout_s=600.0, num_workers=0, gpu_memory_utilization=0.5):
     """Starts the server as a child process; returns (process, base URL) once it answers."""
     with socket.socket() as probe:
         if not port:  # a free one
@@ -93,8 +92,7 @@ def start(backend="llama_cpp", model=None, host="127.0.0.1", port=None, threads=
         elif probe.connect_ex(("127.0.0.1", port)) == 0:  # else we would take another server's answers
             raise SystemExit(f"error: port {port} is already in use")
     command = build_command(backend, model, host, port, threads, tensor_parallel_size,
-                            num_workers=num_workers, gpu_memory_utilization=gpu_memory_utilization,
-                            scored=scored)
+                            num_workers=num_workers, gpu_memory_utilization=gpu_memory_utilization)
     if log_path is None:  # keep the output somewhere, so a failed start can say why
         log_path = tempfile.NamedTemporaryFile(prefix="llm_server-", suffix=".log", delete=False).name
     # Its own session: a Ctrl-C meant for the trainer must not kill the server under it. The trainer's death

@@ -94,6 +94,9 @@ class Args:
     """LLM requests in flight (default: 64 for --llm-url servers, which batch them; fewer for the embedded)"""
     llm_threads: int | None = None
     """CPU threads of the embedded LLM server (default: the cores left over by the env workers, >= 1)"""
+    llm_share: float | None = None
+    """the most of wall time the labeler may keep a request in flight (default: 0.25 for the embedded
+    server, which shares the learner's cores; 1 for --llm-url servers)"""
     prompt_file: str | None = None
     """JSON file with your own prompt templates (see annotator.py)"""
     demos: str | None = None
@@ -118,7 +121,7 @@ class Args:
 
 
 RESUME_OVERRIDES = ("total_env_steps", "num_workers", "device", "track", "llm_url", "llm_model",
-                    "llm_concurrency", "llm_threads", "prompt_file", "checkpoint_every_s",
+                    "llm_concurrency", "llm_threads", "llm_share", "prompt_file", "checkpoint_every_s",
                     "reward_model_share", "trust_checkpoint")  # A resume takes these from its command line.
 
 
@@ -163,8 +166,10 @@ def parse_args(argv=None) -> Args:
             or args.num_envs_per_worker % 2):
         fail("need --num-workers, --rollout, --batch-size >= 1 and an even --num-envs-per-worker >= 2")
     if (args.max_episode_steps < 1 or (args.llm_threads is not None and args.llm_threads < 1)
-            or not 0 < args.reward_model_share <= 1):
-        fail("need --max-episode-steps >= 1, --llm-threads >= 1 and 0 < --reward-model-share <= 1")
+            or not 0 < args.reward_model_share <= 1
+            or not 0 < (1 if args.llm_share is None else args.llm_share) <= 1):
+        fail("need --max-episode-steps >= 1, --llm-threads >= 1, 0 < --reward-model-share <= 1 and "
+             "0 < --llm-share <= 1")
     slot_steps = args.rollout * args.num_envs_per_worker // 2
     if args.batch_size % slot_steps:
         fail(f"--batch-size ({args.batch_size}) must be a multiple of rollout * num_envs_per_worker / 2"
@@ -687,7 +692,8 @@ def learn(run):
                                                             batch["step_count"], terminal)
         add_intrinsic_episodes(run.intrinsic_totals, run.finished, paid, batch["end"], env_ids)
         run.sums.update(lag_sum=lag.sum().item(), lag_steps=lag.numel(),
-                        terminal_paid=paid[terminal].sum().item(), terminal_steps=terminal.sum().item())
+                        terminal_paid=paid[terminal].sum().item(), terminal_steps=terminal.sum().item(),
+                        **{k: reward_stats.pop(k) for k in PAY_WEIGHTS})
         run.sums["max_reward"] = max(run.sums.get("max_reward", -math.inf), paid.max().item())
         intrinsic_done = time.perf_counter()
         losses = update_policy(run, batch, rewards)
@@ -777,7 +783,9 @@ def end_acting(run):
 # ---------------------------------------- checkpoints and logs --------------------------------------------
 # What the learner logs, checkpoints and reads back; finish, the last of train's steps, comes last.
 LLM_COUNTS = ("requests", "labels", "failures", "parse_failures", "dropped", "restarts")  # Summed in totals.
+PAY_WEIGHTS = ("pay_weight", "pay_weight_judged", "pay_weight_new")  # Of the rewards' statistics, summed too.
 KEYS = ("model", "args", "counters")  # The dicts in every checkpoint of oni_appo.py.
+CHECKPOINT_FORMAT = 1  # The layout of what save() writes: a change to it is a new number.
 SAFE = {str, int, float, bool, type(None), torch.Tensor}  # And dicts, lists, tuples: what weights_only reads.
 
 
@@ -865,9 +873,9 @@ def save(run):  # The checkpoint at the steps learned (a resume collects again t
     totals = run_totals(run, run.client.stats() if run.client is not None else {})
     counters = dict(learned_steps=learned_steps(run), updates=run.counters["updates"],
                     episodes=run.counters["episodes"])
-    state = dict(model=run.agent.state_dict(), optimizer=run.optimizer.state_dict(), counters=counters,
-                 args=dataclasses.asdict(run.args), intrinsic=run.intrinsic.state_dict(), totals=totals,
-                 sessions=run.sessions)
+    state = dict(format=CHECKPOINT_FORMAT, model=run.agent.state_dict(), optimizer=run.optimizer.state_dict(),
+                 counters=counters, args=dataclasses.asdict(run.args), intrinsic=run.intrinsic.state_dict(),
+                 totals=totals, sessions=run.sessions)
     write_checkpoint(state, os.path.join(run.args.run_dir, "checkpoint.pt"))
     return totals
 
@@ -1023,12 +1031,18 @@ def finish(run):
                "policy_lag_mean": totals.get("lag_sum", 0.0) / max(totals.get("lag_steps", 0), 1),
                "intrinsic_max_reward": totals["max_reward"] if totals["max_reward"] > -math.inf else None,
                "intrinsic_terminal_step_reward": totals["terminal_paid"] / totals["terminal_steps"]
-               if totals.get("terminal_steps") else None}
+               if totals.get("terminal_steps") else None,
+               # The pay weight (sum of 1/N^beta over steps with a message) paid with the LLM's judgement of
+               # the message in hand, and that of messages in the batch that first showed them (no label yet).
+               **{f"{name}_pay_share": totals.get(key, 0) / max(totals.get("pay_weight", 0), 1e-9)
+                  for name, key in (("judged", "pay_weight_judged"), ("first_seen", "pay_weight_new"))}}
     path = os.path.join(args.run_dir, "episodes.jsonl")  # All the run's episodes, resumed runs included.
     episodes = [json.loads(line) for line in open(path)] if os.path.exists(path) else []
     summary["mean_episode_return"] = float(np.mean([e["return"] for e in episodes])) if episodes else None
-    for k in sorted({k for e in episodes for k in e} - {"return", "env_steps"}):
+    numbers = {k for e in episodes for k, v in e.items() if not isinstance(v, str)} - {"return", "env_steps"}
+    for k in sorted(numbers):
         summary[f"mean_{k}"] = float(np.mean([e[k] for e in episodes if k in e]))
+    summary["ends"] = dict(collections.Counter(e["end"] for e in episodes if "end" in e))  # how they ended
     summary.update({"llm_labels": totals["llm_labels"], "llm_failures": totals["llm_failures"],
                     "llm_parse_failures": totals["llm_parse_failures"],
                     "annotator_restarts": totals["llm_restarts"],

@@ -423,7 +423,8 @@ class IntrinsicReward:
         self.start, self.close, self.train_stats = self.piece.start, self.piece.close, self.piece.train_stats
         self.rng = random.Random(f"label requests {args.seed}")  # the pairs to ask
         self.asked: dict[str, float] = {}  # captions asked and not yet answered -> when last asked
-        self.to_ask, self.batches_to_pair, self.last_retry = [], 0, time.time()  # since label_requests()
+        self.to_ask, self.batches_to_pair, self.last_retry = {}, 0, time.time()  # since label_requests()
+        self.judged = set()  # ranking: the messages of answered pairs, the LLM's judgement of them in hand
         self.pair_pool, self.pool_offers, self.steps_seen = [], 0, 0
         self.answered: dict[tuple, int | None] = {}  # (a, b) -> preference, in both orders (1 and 2 swap)
         self.waiting: dict[tuple, int] = {}  # pairs asked and not yet answered -> how often drawn meanwhile
@@ -452,21 +453,27 @@ class IntrinsicReward:
         weights = counts.flatten().cpu().numpy().clip(min=1).astype(np.float64) ** -self.args.count_beta
         firsts = np.bincount(inverse, weights=weights, minlength=len(texts))  # the pay weight each step adds
         self.piece.see([t for t, keep in zip(texts, nonempty) if keep], steps[nonempty], firsts[nonempty])
-        if self.piece.asks == "captions":  # most steps first, not A to Z: a full backlog takes the first
-            new = [texts[i] for i in np.argsort(-steps, kind="stable")
-                   if nonempty[i] and texts[i] not in self.piece.labels and texts[i] not in self.asked]
-            self.asked.update(dict.fromkeys(new, time.time()))
-            self.to_ask += new
-        elif self.piece.asks == "pairs":
+        judged = self.judged if self.piece.asks == "pairs" else self.piece.labels
+        known = np.array([t in judged for t in texts], dtype=bool)
+        if self.piece.asks == "pairs":
             for i in self.offered(inverse, weights, nonempty):
                 self.add_to_pool(texts[i])
             self.steps_seen, self.batches_to_pair = self.steps_seen + len(inverse), self.batches_to_pair + 1
+        new = np.array([t not in self.seen for t in texts], dtype=bool)
         paid_per_message = np.bincount(inverse, weights=paid.flatten().cpu().numpy(), minlength=len(texts))
         for text, n, total, first in zip(texts, steps.tolist(), paid_per_message.tolist(), firsts.tolist()):
             self.seen[text], self.paid[text] = self.seen.get(text, 0) + n, self.paid.get(text, 0.0) + total
             self.firsts[text] = self.firsts.get(text, 0.0) + first  # numbers, not a list a message (GC)
+        if self.piece.asks == "captions":  # each unlabelled one with its worth: the annotator asks most first
+            for i in np.flatnonzero(nonempty & ~known):  # (its pay weight so far, all of it unlabelled)
+                self.to_ask[texts[i]] = self.firsts[texts[i]]
+                self.asked.setdefault(texts[i], time.time())
+        weight = {"": firsts[nonempty].sum(), "_judged": firsts[nonempty & known].sum(),
+                  "_new": firsts[nonempty & new].sum()}  # of all; judged by the LLM when paid; first seen now
         stats = {"mean_reward": paid.mean().item(), "max_reward": paid.max().item(),
-                 "rewarded_steps": (paid != 0).float().mean().item(), "unique_messages": len(texts)}
+                 "rewarded_steps": (paid != 0).float().mean().item(), "unique_messages": len(texts),
+                 "judged_pay_share": weight["_judged"] / max(weight[""], 1e-9),
+                 **{f"pay_weight{k}": float(v) for k, v in weight.items()}}  # these three: summed by the run
         if terminal.any():  # deaths and successes: scored with their own last message
             stats["terminal_step_reward"] = paid[terminal].mean().item()
         return mix(env_reward, paid, self.args), paid, stats
@@ -498,7 +505,7 @@ class IntrinsicReward:
         self.reused.update(pairs)
         self.piece.add_labels([{"pair": list(pair), "preference": self.answered[pair]} for pair in pairs])
 
-    def exchange(self, client, stopping=False) -> tuple[list[str], list[tuple[str, str]]]:
+    def exchange(self, client, stopping=False) -> tuple[dict, dict]:
         """Once an update: asks a restarted annotator again, adds the new labels, sends what to ask now. A
         fatal LLM error (a wrong key, say) raises SystemExit from client.check(): the learner saves, stops."""
         if not stopping and client.check():  # no restart in a stop: the SIGTERM to the group killed it
@@ -507,8 +514,11 @@ class IntrinsicReward:
         client.request(*(asked := self.label_requests()))
         return asked
 
-    def unanswered(self) -> tuple[list[str], list[tuple[str, str]]]:  # a restarted annotator's, oldest first
-        return tuple(list(itertools.islice(t, annotator.MAX_BACKLOG)) for t in (self.asked, self.waiting))
+    def unanswered(self) -> tuple[dict, dict]:  # a restarted annotator's: captions most worth first
+        captions = heapq.nlargest(annotator.MAX_BACKLOG, self.asked, key=self.firsts.__getitem__)
+        pairs = itertools.islice(self.waiting, annotator.MAX_BACKLOG)
+        return ({t: self.firsts[t] for t in captions},
+                {pair: self.firsts[pair[0]] + self.firsts[pair[1]] for pair in pairs})
 
     def add_labels(self, records):  # the LLM's answers, --labels-from, or on a resume the run's labels.jsonl
         self.piece.add_labels(records)  # first: a caption labelled, then unparseable in one call, is done
@@ -517,6 +527,7 @@ class IntrinsicReward:
             if "pair" in record:  # a tie (None) is an answer too
                 (a, b), preference = record["pair"], record["preference"]
                 self.answered[a, b], self.answered[b, a] = preference, {1: 2, 2: 1}.get(preference)
+                self.judged.update((a, b))
                 drawn_again += [(a, b)] * (self.waiting.pop((a, b), 1) - 1)
             elif "caption" in record and self.piece.asks == "captions":
                 self.asked.pop(record["caption"], None)  # answered, or asked again: to the end (oldest first)
@@ -524,18 +535,19 @@ class IntrinsicReward:
                     self.asked[record["caption"]] = time.time()
         self.reuse(drawn_again)
 
-    def label_requests(self) -> tuple[list[str], list[tuple[str, str]]]:
-        """What to ask the LLM now: captions new since the last call and those unanswered for RETRY_S (a full
-        backlog may have dropped them); ranking: of PAIRS_PER_BATCH pairs per batch since the last call, those
-        not answered yet. Each drawn pair is trained on once, so the pairs keep the steps' frequencies."""
-        captions, self.to_ask, now = self.to_ask, [], time.time()
+    def label_requests(self) -> tuple[dict, dict]:
+        """What to ask the LLM now, each with its worth: captions unlabelled in the batches since the last
+        call and those unanswered for RETRY_S (a full backlog may have dropped them); ranking: of
+        PAIRS_PER_BATCH pairs per batch since the last call, those not answered yet. Each drawn pair is
+        trained on once, so the pairs keep the steps' frequencies."""
+        captions, self.to_ask, now = self.to_ask, {}, time.time()
         if now - self.last_retry > RETRY_S:  # the oldest, what the backlog takes: all would stall the learner
             waited = itertools.takewhile(lambda text: now - self.asked[text] > RETRY_S, self.asked)
             again = list(itertools.islice(waited, max(0, annotator.MAX_BACKLOG - len(captions))))
             for text in again:  # to the end: asked now
                 del self.asked[text]
                 self.asked[text] = now
-            captions, self.last_retry = again + captions, now  # first: a full backlog turns away the last
+            captions, self.last_retry = {**{t: self.firsts[t] for t in again}, **captions}, now
         wanted, self.batches_to_pair = PAIRS_PER_BATCH * self.batches_to_pair, 0
         drawn = [pair for _ in range(wanted) if self.pair_pool and (pair := self.draw_pair())]
         self.reuse([pair for pair in drawn if pair in self.answered])
@@ -547,7 +559,7 @@ class IntrinsicReward:
         for pair in list(itertools.islice(self.waiting,
                                           max(0, len(self.waiting) - 10 * annotator.MAX_BACKLOG))):
             del self.waiting[pair]  # drawn longest ago: answered later, it is trained on once
-        return captions, list(dict.fromkeys(asked))
+        return captions, {pair: self.firsts[pair[0]] + self.firsts[pair[1]] for pair in asked}
 
     def state_dict(self) -> dict:  # the counts as arrays, which save faster than dicts
         texts = list(self.seen)

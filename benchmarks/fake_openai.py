@@ -4,7 +4,8 @@ benchmarks stand it in for an LLM server (`serve_apart`: in a process of its own
 It judges like a model would: messages that mention killing or gold are helpful. Named like a base
 model (the default), it answers /completions with " Yes"/" No"; named like an instruct model
 ("fake-instruct"), /chat/completions with some reasoning, then a <label> tag or a best_description.
-Like vLLM, it serves /tokenize, answers 404 for a model it does not have, and like OpenAI it rejects
+Like vLLM, it serves /tokenize (with `llama_cpp` set, llama-cpp-python's /extras/tokenize instead), answers
+404 for a model it does not have, and like OpenAI it rejects
 (400) logit biases outside [-100, 100]. Asked for log-probabilities (`logprobs`) it answers logp(" Yes") -
 logp(" No") = `margins[caption]` (default +2 helpful, -2 not), unless `logprobs` is "error" (HTTP 500, as
 llama.cpp without --logits_all) or "absent" (no log-probabilities in the answer). It records every call in `calls`; `delay` is a fixed latency
@@ -37,6 +38,7 @@ class FakeOpenAI:
         self.port, self.server, self.model = port, None, model
         self.mode, self.delay, self.fail_next, self.fail_status = "ok", 0.0, 0, 500
         self.tokenize_fails = 0  # the next this many /tokenize calls get HTTP 500
+        self.llama_cpp = False  # tokenize as llama-cpp-python does, at /extras/tokenize
         self.logprobs, self.margins = "ok", {}
         self.requests, self.calls = 0, []  # requests: (chat) completions asked for
         self.active = self.max_active = 0  # (chat) completions being answered now; the most at once
@@ -82,7 +84,7 @@ class FakeOpenAI:
                     return
                 with fake.lock:
                     fake.calls.append((self.path, request))
-                    if self.path == "/tokenize":
+                    if self.path == ("/extras/tokenize" if fake.llama_cpp else "/tokenize"):
                         failing = fake.tokenize_fails > 0
                         fake.tokenize_fails -= failing
                     elif self.path in ("/v1/completions", "/v1/chat/completions"):
@@ -92,10 +94,11 @@ class FakeOpenAI:
                         fake.fail_next -= failing
                     else:
                         return self.reply(404, {"error": {"message": "not found"}})
-                if self.path == "/tokenize":
+                if self.path.endswith("/tokenize"):
                     if failing:
                         return self.reply(500, {"error": {"message": "injected failure"}})
-                    return self.reply(200, {"tokens": TOKENS.get(request["prompt"], [2, 11, 12, 13])})
+                    word = request["input" if fake.llama_cpp else "prompt"]
+                    return self.reply(200, {"tokens": TOKENS.get(word, [2, 11, 12, 13])})
                 if fake.delay:
                     time.sleep(fake.delay)
                 with fake.lock:  # before the reply: a client may send its next request as soon as it has it

@@ -75,7 +75,7 @@ def run(concurrency, messages, rate, seconds, url):
                 random.shuffle(again)
                 asked.update(dict.fromkeys(again, now))
                 last_retry = now
-            client.request(new + again, [])
+            client.request(dict.fromkeys(new + again, 1.0), {})  # each seen once: all worth the same
             for record in client.new_records():
                 if record["label"] is not None:
                     labelled.setdefault(record["caption"], time.time())

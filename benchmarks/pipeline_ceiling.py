@@ -57,7 +57,7 @@ class NullEnv:
     MESSAGES = np.frombuffer(b"".join(f"You hear the footsteps of a guard on patrol {i}.".encode().ljust(256, b"\0")
                                       if i % 2 else bytes(256) for i in range(64)), np.uint8).reshape(64, 256)
     EPISODE = {"return": 0.0, "success": 0.0, "score": 0, "depth": 1, "dlvl": 1, "xlvl": 1, "gold": 0, "kills": 0,
-               "explored": 0}
+               "explored": 0, "end": "died", "end_text": "You die..."}
 
     def __init__(self, task, seed=0, **kwargs):
         self.obs = {k: np.zeros(shape, dtype) for k, (shape, dtype) in self.SPEC.items()}

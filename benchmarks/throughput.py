@@ -3,13 +3,19 @@
     python benchmarks/throughput.py --num-workers 2 --steps 30000
     python benchmarks/throughput.py --num-workers 2 --steps 30000 --llm stub      # + ranking, LLM elsewhere
     python benchmarks/throughput.py --num-workers 2 --steps 30000 --llm embedded  # + ranking, LLM on these cores
+    python benchmarks/throughput.py --num-workers 2 --steps 100000 --llm embedded --reward-free \
+        --rewards retrieval classification ranking     # each ONI reward with the embedded LLM, as a user runs it
     python benchmarks/throughput.py --num-workers 2 --steps 60000 --baseline 4123154 --repeats 2
     python benchmarks/throughput.py --num-workers 2 --steps 60000 --collection    # + the pipeline alone
 
 Rows: raw NLE (random actions, the same observation keys and 28 actions) on --num-workers
-processes; `oni_appo.py --reward-type none`; and, with --llm, `--reward-type ranking` (annotation
-and reward-model training on). `stub` answers instantly from this process (benchmarks/fake_openai.py):
-it stands for an LLM server on other hardware, so the ratio measures our side of ONI only.
+processes; `oni_appo.py --reward-type none`; and, with --llm, each of --rewards (default ranking;
+annotation and reward-model training on), with its steps/s over none's, the labels answered and the
+share of the run's pay weight (sum of 1/N^beta over steps with a message) paid with the LLM's judgement
+of the message in hand, beside the share that its first batch paid (no label can be there yet).
+`stub` answers instantly from this process (benchmarks/fake_openai.py): it stands for an LLM server on
+other hardware, so the ratio measures our side of ONI only; `embedded` is oni_appo's default, the
+llama.cpp server on these cores. --reward-free runs all with --extrinsic-coef 0 (the paper's setting).
 --baseline REV runs `--reward-type none` from a git worktree of commit REV, alternating with this
 tree (--repeats times each), and prints steps/s and mean policy lag (tensorboard charts/policy_lag_mean
 averaged over the run's logs) side by side.
@@ -115,24 +121,39 @@ def train(extra, steps, workers, envs_per_worker, root=ROOT, collection=False, b
     return summary
 
 
-def compare(baseline, args):
-    """A git worktree of commit `baseline` against this tree, runs alternated, --reward-type none."""
+def compare(baseline, args, configs):
+    """A git worktree of commit `baseline` against this tree, runs alternated, each of `configs`."""
     import oni_appo  # both trees run this tree's configuration: the defaults of envs and batch changed in 53085a2
     resolved = oni_appo.parse_args(["--num-workers", str(args.num_workers)])
     envs_per_worker, batch_size = args.num_envs_per_worker or resolved.num_envs_per_worker, args.batch_size or resolved.batch_size
     trees = common.trees(baseline)
-    results = {name: [] for name in trees}
+    results = {(name, config): [] for config in configs for name in trees}
     for _ in range(args.repeats):
-        for name, root in trees.items():
-            s = train(["--reward-type", "none"], args.steps, args.num_workers, envs_per_worker, root, batch_size=batch_size)
-            results[name].append(s)
-            print(f"  {name:18s} {s['sps']:8,.0f} steps/s  policy lag {s['lag_mean']:.2f}", flush=True)
+        for config, extra in configs.items():
+            for name, root in trees.items():
+                at = extra.index("--llm-share") if root != ROOT and "--llm-share" in extra else len(extra)
+                s = train(extra[:at] + extra[at + 2:],  # --llm-share: a flag of this tree's alone
+                          args.steps, args.num_workers, envs_per_worker, root, batch_size=batch_size)
+                results[name, config].append(s)
+                print(f"  {config:12s} {name:18s} {s['sps']:8,.0f} steps/s  policy lag {s['lag_mean']:.2f}"
+                      f"{judged(s)}", flush=True)
     mean = {k: {m: sum(s[m] for s in v) / len(v) for m in ("sps", "lag_mean")} for k, v in results.items()}
-    for name, m in mean.items():
-        print(f"{'none, ' + name:48s} {m['sps']:10,.0f} steps/s  mean policy lag {m['lag_mean']:.2f} updates")
-    before, now = mean.values()
-    print(f"ratio now / before: {now['sps'] / before['sps']:.3f} steps/s, "
-          f"{now['lag_mean'] / before['lag_mean']:.2f} policy lag")
+    for (name, config), m in mean.items():
+        print(f"{config + ', ' + name:48s} {m['sps']:10,.0f} steps/s  mean policy lag {m['lag_mean']:.2f} updates"
+              f"  ({m['sps'] / mean[name, 'none']['sps']:.3f} of none)")
+    for config in configs:
+        before, now = (mean[name, config] for name in trees)
+        print(f"{config}: ratio now / before: {now['sps'] / before['sps']:.3f} steps/s, "
+              f"{now['lag_mean'] / before['lag_mean']:.2f} policy lag")
+
+
+def judged(summary) -> str:  # labels and the share of pay weight judged when paid, where the run has them
+    if summary.get("llm_labels") is None or summary["sessions"][0]["flags"]["reward_type"] == "none":
+        return ""
+    if "judged_pay_share" not in summary:
+        return f", {summary['llm_labels']:,} labels"
+    return (f", {summary['llm_labels']:,} labels, {summary['judged_pay_share']:.1%} of pay weight judged when "
+            f"paid, {summary['first_seen_pay_share']:.1%} in first batches")
 
 
 def main():
@@ -144,44 +165,54 @@ def main():
     parser.add_argument("--batch-size", type=int, default=None, help="oni_appo's --batch-size (default: its own)")
     parser.add_argument("--steps", type=int, default=50_000, help="env steps per training run")
     parser.add_argument("--raw-seconds", type=float, default=10.0)
-    parser.add_argument("--llm", default=None, help="also run ranking with: stub | embedded | a base URL")
-    parser.add_argument("--baseline", default=None, help="compare --reward-type none with this git commit")
+    parser.add_argument("--llm", default=None, help="also run --rewards with: stub | embedded | a base URL")
+    parser.add_argument("--rewards", nargs="+", default=["ranking"], help="the reward types run with --llm")
+    parser.add_argument("--reward-free", action="store_true", help="every run with --extrinsic-coef 0")
+    parser.add_argument("--llm-share", type=float, default=None, help="oni_appo's --llm-share (default: its own)")
+    parser.add_argument("--baseline", default=None, help="compare each run with this git commit's, alternated")
     parser.add_argument("--repeats", type=int, default=1, help="runs of each side with --baseline")
     parser.add_argument("--collection", action="store_true", help="also run the pipeline with no learning")
     args = parser.parse_args()
-    if args.baseline:
-        return compare(args.baseline, args)
+    free = ["--extrinsic-coef", "0"] if args.reward_free else []
+    stub, url_args = None, []
+    if args.llm == "stub":
+        from fake_openai import FakeOpenAI
+        stub = FakeOpenAI().start()
+        url_args = ["--llm-url", stub.url]
+    elif args.llm not in (None, "embedded"):
+        url_args = ["--llm-url", args.llm]
+    share = ["--llm-share", str(args.llm_share)] if args.llm_share else []
+    configs = {"none": ["--reward-type", "none", *free], **{
+        reward: ["--reward-type", reward, *url_args, *share, *free] for reward in (args.rewards if args.llm else [])}}
+    try:
+        if args.baseline:
+            return compare(args.baseline, args, configs)
+        measure(args, configs)
+    finally:
+        if stub is not None:
+            stub.stop()
 
+
+def measure(args, configs):
     rows = [("raw NLE, random actions", raw_nle(args.num_workers, args.raw_seconds), {})]
     print(f"{rows[0][0]:48s} {rows[0][1]:10,.0f} steps/s", flush=True)
     run = lambda extra, **kw: train(extra, args.steps, args.num_workers, args.num_envs_per_worker,
                                     batch_size=args.batch_size, **kw)
-    none = run(["--reward-type", "none"])
+    none = run(configs["none"])
     rows.append(("oni_appo --reward-type none", none["sps"], none))
     print(f"{rows[1][0]:48s} {none['sps']:10,.0f} steps/s  ({none['sps'] / rows[0][1]:.3f} of raw; "
           f"mean policy lag {none['lag_mean']:.2f} updates)", flush=True)
     if args.collection:
-        alone = run(["--reward-type", "none"], collection=True)
+        alone = run(configs["none"], collection=True)
         print(f"{'collection alone (learner does no update)':48s} {alone['sps']:10,.0f} steps/s  "
               f"({alone['sps'] / rows[0][1]:.3f} of raw; {alone['inference_share']:.0%} of its wall time in inference, "
               f"{1e6 * alone['inference_share'] * alone['wall_time_s'] / alone['env_steps']:.0f} us per env step)",
               flush=True)
-    if args.llm:
-        stub = None
-        if args.llm == "stub":
-            from fake_openai import FakeOpenAI
-            stub = FakeOpenAI().start()
-            url_args = ["--llm-url", stub.url]
-        elif args.llm == "embedded":
-            url_args = []
-        else:
-            url_args = ["--llm-url", args.llm]
-        ranking = run(["--reward-type", "ranking", *url_args])
-        if stub is not None:
-            stub.stop()
-        label = f"oni_appo --reward-type ranking (LLM: {args.llm})"
-        print(f"{label:48s} {ranking['sps']:10,.0f} steps/s  ({ranking['sps'] / none['sps']:.3f} of none, "
-              f"{ranking['llm_labels']:,} labels)", flush=True)
+    for reward, extra in list(configs.items())[1:]:
+        oni = run(extra)
+        label = f"oni_appo --reward-type {reward} (LLM: {args.llm})"
+        print(f"{label:48s} {oni['sps']:10,.0f} steps/s  ({oni['sps'] / none['sps']:.3f} of none{judged(oni)})",
+              flush=True)
 
 
 if __name__ == "__main__":

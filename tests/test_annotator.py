@@ -14,6 +14,7 @@ import urllib.error
 import urllib.request
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 import annotator
@@ -29,13 +30,13 @@ class Annotator:
     """`annotator.serve` in a thread, with a plain LabelTable and dict in place of the Manager's proxies."""
 
     def __init__(self, url, run_dir, known=(), timeout_s=5.0, model=None, prompts=annotator.PROMPTS, concurrency=4,
-                 scored=True, demos=None):
+                 scored=True, demos=None, share=1.0):
         self.requests, self.stop = queue.Queue(), threading.Event()
         self.table, self.stats, self.concurrency = annotator.LabelTable(), {}, concurrency
         self.thread = threading.Thread(target=annotator.serve, daemon=True, kwargs=dict(
             urls=url if isinstance(url, list) else [url], model=model, prompts=prompts, concurrency=concurrency,
             run_dir=str(run_dir), known=set(known), requests=self.requests, table=self.table, stats=self.stats,
-            stop=self.stop, scored=scored, demos=demos, timeout_s=timeout_s))
+            stop=self.stop, scored=scored, demos=demos, timeout_s=timeout_s, share=share))
         self.thread.start()
 
     @property
@@ -49,8 +50,9 @@ class Annotator:
         """every record in the order written (tests/test_reward_models.py reads it as the learner would)"""
         return self.table.since(0)[0]
 
-    def send(self, captions=(), pairs=()):
-        self.requests.put((list(captions), list(pairs)))
+    def send(self, captions=(), pairs=()):  # as the learner does: each with its worth (0 unless given)
+        self.requests.put((captions if isinstance(captions, dict) else dict.fromkeys(captions, 0.0),
+                           {tuple(pair): 0.0 for pair in pairs}))
 
     def wait_for(self, condition, timeout=30.0):
         deadline = time.time() + timeout
@@ -204,7 +206,7 @@ def test_a_missing_or_wrong_key_stops_the_run(tmp_path, monkeypatch, key):
     client = annotator.LabelClient(client_args(fake.url))
     client.start(str(tmp_path), set())
     try:
-        client.request(CAPTIONS, [])
+        client.request(dict.fromkeys(CAPTIONS, 0.0), {})
         said = "refused the key in OPENAI_API_KEY" if key else "wants a key"
         line = (f"error: annotator: the LLM server at {fake.url}/models {said} (HTTP 401): "
                 "set OPENAI_API_KEY to its key")
@@ -270,6 +272,21 @@ def test_slow_server_times_out_then_recovers(fake, tmp_path):
     assert a.labels == {c: v for c, v in expected_labels().items() if c in CAPTIONS[:2]}
 
 
+def test_the_labeler_keeps_a_request_in_flight_at_most_its_share_of_wall_time(tmp_path):
+    """Guards issue 44: the embedded server, always busy, took a core of the learner's two (ONI at 0.37-0.53 of
+    `none`'s steps/s). With --llm-share it is busy at most that share of wall time, after a first burst of credit."""
+    fake = FakeOpenAI().start()
+    fake.delay = 0.2
+    a = Annotator(fake.url, tmp_path, concurrency=1, share=0.25)
+    a.send([f"You see here {i} gold pieces." for i in range(100)])
+    started = time.time()
+    time.sleep(6.0)
+    a.close()
+    fake.stop()
+    busy_allowed = annotator.MAX_CREDIT_S * 0.25 + 0.25 * (time.time() - started)  # the credit, then the share
+    assert 0.6 * busy_allowed / 0.2 <= fake.requests <= busy_allowed / 0.2 + 2  # unbounded: ~30 requests
+
+
 def test_a_caption_asked_again_while_in_flight_is_asked_once(fake, tmp_path):
     fake.delay = 0.5  # the learner's retry of an unanswered caption can come while it is in flight
     a = Annotator(fake.url, tmp_path)
@@ -283,15 +300,20 @@ def test_a_caption_asked_again_while_in_flight_is_asked_once(fake, tmp_path):
     assert a.stats["requests"] == 1 and a.log == [{"caption": CAPTIONS[0], "label": expected_labels()[CAPTIONS[0]]}]
 
 
-def test_garbage_answers_are_counted_retried_once_then_unknown(fake, tmp_path):
+def test_garbage_answers_are_counted_retried_once_then_unknown(fake, tmp_path, monkeypatch):
+    monkeypatch.setattr(annotator, "UNKNOWN_RETRY_S", 1.0)
     fake.mode = "garbage"
     a = Annotator(fake.url, tmp_path)
     a.send(CAPTIONS[:3], pairs=[("a", "b")])
     assert a.wait_for(lambda: len(a.labels) == 4)
     assert set(a.labels.values()) == {None}
     assert a.stats["parse_failures"] == 8 and a.stats["requests"] == 8 and a.stats["labels"] == 4
-    fake.mode = "ok"  # an unknown label may be asked again later (the learner does, after RETRY_S)
+    fake.mode = "ok"  # an unknown label is asked again, not before UNKNOWN_RETRY_S (patched to 1 s here)
     a.send(CAPTIONS[:1], pairs=[("a", "b")])  # a pair that ended as a tie is an answer: not asked again
+    time.sleep(0.3)
+    assert a.stats["requests"] == 8  # sent again at once (the learner sends it each batch it is seen): waits
+    time.sleep(1.0)
+    a.send(CAPTIONS[:1])
     assert a.wait_for(lambda: a.labels[CAPTIONS[0]] is not None)
     time.sleep(0.3)
     a.close()
@@ -309,24 +331,35 @@ def test_known_captions_are_not_asked_again_and_the_backlog_is_bounded(fake, tmp
     monkeypatch.setattr(annotator, "MAX_BACKLOG", 3)
     fake.stop()
     b = Annotator(fake.url, tmp_path)
-    b.send([f"message {i}" for i in range(10)])
-    assert b.wait_for(lambda: b.stats.get("dropped", 0) == 7 and b.stats.get("backlog") is not None)
+    b.send({f"message {i}": float(i % 5) for i in range(10)})  # the server down: nothing leaves the backlog
+    assert b.wait_for(lambda: b.stats.get("dropped", 0) + b.stats.get("backlog", 0) == 10)
     b.close()
     assert b.stats["backlog"] + b.stats["in_flight"] <= 3
 
 
-def test_the_backlog_is_asked_oldest_first(tmp_path):
-    """Guards: asked newest first, a backlog that never empties (the embedded labeler behind the agent's stream of new
-    messages) never reached its first captions: "It's a wall.", on 25% of a 1M-step run's steps, went unlabelled."""
+def test_the_backlog_is_asked_most_worth_first_and_the_oldest_of_equals_first(tmp_path, monkeypatch):
+    """Guards issue 44: asked in the order first seen, the embedded labeler (far behind the agent's stream of new
+    messages) never reached frequent messages first seen late, e.g. the faint from hunger, paid on 7,000 steps of a
+    1M-step run while rare earlier messages were asked. Worth is the pay weight a caption accrued unlabelled."""
     fake = FakeOpenAI().start()
     fake.delay = 0.05
     a = Annotator(fake.url, tmp_path, concurrency=1)
-    captions = ["It's a wall."] + [f"You see here {i} gold pieces." for i in range(9)]
-    a.send(captions)
-    assert a.wait_for(lambda: len(a.log) == len(captions))
+    rare = {f"You see here {i} gold pieces.": 1.0 for i in range(6)}  # seen first, once each
+    a.send(rare)
+    a.send({"You faint from lack of food.": 40.0, "It's a wall.": 12.0})  # later, but paid far more
+    a.send({"It's a wall.": 30.0})  # its worth grew before it was asked: the learner sends the total
+    assert a.wait_for(lambda: len(a.log) == 8)
     a.close()
     fake.stop()
-    assert [r["caption"] for r in a.log] == captions
+    asked = [r["caption"] for r in a.log]
+    assert asked[1:3] == ["You faint from lack of food.", "It's a wall."]  # after the one already in flight
+    assert asked[3:] == [c for c in rare if c != asked[0]]
+
+    monkeypatch.setattr(annotator, "MAX_BACKLOG", 10)  # full: the least worth goes, the most stays
+    backlog = annotator.Backlog()
+    dropped = sum(backlog.put(f"m{i}", f"m{i}", float(i)) for i in range(20))
+    assert dropped == 10 and set(backlog.items) == {f"m{i}" for i in range(10, 20)}
+    assert [backlog.pop(backlog.peek()) for _ in range(3)] == ["m19", "m18", "m17"]
 
 
 @pytest.mark.parametrize("text,label", [
@@ -470,18 +503,18 @@ def test_check_restarts_a_dead_annotator_and_stops_the_run_on_a_fatal_error(tmp_
         return len(records) == n
 
     try:
-        client.request(CAPTIONS[:2], [])
+        client.request(dict.fromkeys(CAPTIONS[:2], 0.0), {})
         assert labelled(2)
         client.process.kill()  # the annotator dies (not through close())
         client.process.join()
         client.check()
         assert client.process.is_alive() and client.stats()["restarts"] == 1
         assert "annotator: its process died (exit code -9), 1 times so far: restarting it" in capsys.readouterr().err
-        client.request(CAPTIONS, [])  # the learner re-sends what is unlabelled; done ones are not asked again
+        client.request(dict.fromkeys(CAPTIONS, 0.0), {})  # the learner re-sends what is unlabelled; done ones are not asked again
         assert labelled(len(CAPTIONS)) and fake.requests == len(CAPTIONS)
         assert client.stats()["labels"] == len(CAPTIONS)  # the counts go on across the restart
         fake.fail_next, fake.fail_status = 1000, 404
-        client.request(["You hear a door open."], [])
+        client.request(dict.fromkeys(["You hear a door open."], 0.0), {})
         with pytest.raises(SystemExit, match=r"^error: annotator: HTTP 404 from .*/v1/completions: injected failure$"):
             labelled(len(CAPTIONS) + 1)
         assert client.stats()["restarts"] == 1  # a fatal error is not a crash: no restart
@@ -521,7 +554,7 @@ def test_labels_reach_the_learner_through_the_manager_table_in_bulk(tmp_path, mo
     """The LabelTable in the Manager is the one channel: new_records() takes everything written since
     its last call, in order (a caption asked again appears again), in one round trip."""
     fake = FakeOpenAI(model="fake-instruct").start()
-    fake.mode = "garbage"  # the first caption's answer is unparseable twice: an unknown label, asked again
+    fake.mode = "garbage"  # the first caption's answer is unparseable twice: an unknown label, asked again later
     client = annotator.LabelClient(client_args(fake.url))
     client.start(str(tmp_path), set())
 
@@ -537,20 +570,20 @@ def test_labels_reach_the_learner_through_the_manager_table_in_bulk(tmp_path, mo
                         lambda proxy, name, *a, **kw: calls.append(name) or call(proxy, name, *a, **kw))
     try:
         assert client.concurrency == annotator.URL_CONCURRENCY and not hasattr(client, "log")
-        client.request(CAPTIONS[:1], [])
+        client.request(dict.fromkeys(CAPTIONS[:1], 0.0), {})
         assert written(1)
         fake.mode = "ok"
-        client.request(CAPTIONS, [("It's a wall.", "You kill the newt!")])
-        assert written(len(CAPTIONS) + 2)
+        client.request(dict.fromkeys(CAPTIONS, 0.0), {("It's a wall.", "You kill the newt!"): 0.0})
+        assert written(len(CAPTIONS) + 1)  # the unknown one waits UNKNOWN_RETRY_S
         calls.clear()
         records = client.new_records()
         assert calls == ["since"]  # one round trip for all of them
         assert records == [json.loads(x) for x in open(tmp_path / annotator.LABELS_FILE)]
         assert records[0] == {"caption": CAPTIONS[0], "label": None}
-        assert [r for r in records if r.get("caption") == CAPTIONS[0]][1:] == [{"caption": CAPTIONS[0], "label": 1}]
+        assert [r for r in records if r.get("caption") == CAPTIONS[0]] == [{"caption": CAPTIONS[0], "label": None}]
         assert client.new_records() == []  # nothing new since
-        client.request(["You see here 9 gold pieces."], [])
-        assert written(len(CAPTIONS) + 3)
+        client.request(dict.fromkeys(["You see here 9 gold pieces."], 0.0), {})
+        assert written(len(CAPTIONS) + 2)
         assert client.new_records() == [{"caption": "You see here 9 gold pieces.", "label": 1}]
     finally:
         client.close()
@@ -619,7 +652,7 @@ def test_only_ranking_asks_for_log_probabilities(tmp_path, capsys, monkeypatch, 
     client.start(str(tmp_path), set())
     records, deadline = [], time.time() + 60
     try:
-        client.request(CAPTIONS, [])
+        client.request(dict.fromkeys(CAPTIONS, 0.0), {})
         while len(records) < len(CAPTIONS) and time.time() < deadline:
             records.extend(client.new_records())
             time.sleep(0.05)
@@ -631,13 +664,32 @@ def test_only_ranking_asks_for_log_probabilities(tmp_path, capsys, monkeypatch, 
     asked = ["logprobs" in body for path, body in fake.calls if path.endswith("/completions")]
     assert asked and set(asked) == {reward_type == "ranking"} and stats.get("answers_scored") == (1 if reward_type == "ranking" else None)
     assert "log-probabilities" not in capsys.readouterr().err  # a choice, not a server's lack: no notice
-    calls = []  # the embedded server: --logits_all only for ranking
-    monkeypatch.setattr(llm_server, "start", lambda **kw: calls.append(kw) or (None, fake.url))
-    monkeypatch.setattr(annotator.LabelClient, "launch", lambda self: None)
-    client = annotator.LabelClient(client_args(None, reward_type=reward_type))
-    client.start(str(tmp_path), set())
-    client.manager.shutdown()
-    assert calls[0]["scored"] == (reward_type == "ranking")
+
+
+@pytest.mark.parametrize("scored", [False, True])
+def test_a_llama_cpp_server_is_asked_by_bisection_never_for_log_probabilities(scored):
+    """Guards issue 44: llama-cpp-python computes the log-probabilities of every prompt token (a score took 2.1 s
+    where a label takes 0.3 s). Its labels are one restricted greedy token at THRESHOLD; a score (ranking) takes
+    BISECTIONS more on the same prompt, which its prompt cache holds, and lands within half their resolution."""
+    fake = FakeOpenAI().start()
+    fake.llama_cpp = True
+    fake.margins = {"You kill the newt!": 2.3, "It's a wall.": -1.1, "You kill the grid bug!": annotator.THRESHOLD + 0.2,
+                    "You see here 3 gold pieces.": annotator.THRESHOLD - 0.05, "You hear a door open.": -9.0}
+    labeler = annotator.Labeler([fake.url], None, annotator.PROMPTS, 5.0, scored=scored)
+    labeler.resolve_model()
+    try:
+        for caption, margin in fake.margins.items():
+            if scored:
+                span = (annotator.THRESHOLD - annotator.SCORE_SPAN, annotator.THRESHOLD + annotator.SCORE_SPAN)
+                assert abs(labeler.score(caption, 0) - np.clip(margin, *span)) <= annotator.SCORE_SPAN / 2 ** (
+                    annotator.BISECTIONS + 1) + 1e-9  # beyond the span: its bound
+            else:
+                assert labeler.ask(caption) == int(margin > annotator.THRESHOLD)
+    finally:
+        fake.stop()
+    completions = [body for path, body in fake.calls if path == "/v1/completions"]
+    assert not any("logprobs" in body for body in completions) and labeler.logprobs is False
+    assert len(completions) == len(fake.margins) * (1 + annotator.BISECTIONS * scored)
 
 
 def alive(pid):
@@ -716,7 +768,7 @@ def test_a_server_gets_the_key_in_its_environment_and_an_open_one_is_named(monke
 def test_the_embedded_server_wants_the_key_and_ps_does_not_show_it(tmp_path, monkeypatch):
     """The real llama.cpp server: it reads the key from its environment (pydantic settings), not a flag."""
     monkeypatch.setenv("OPENAI_API_KEY", "sk-test-key")
-    process, url = llm_server.start(log_path=str(tmp_path / "llm_server.log"), threads=1, scored=False)
+    process, url = llm_server.start(log_path=str(tmp_path / "llm_server.log"), threads=1)
     try:
         assert b"sk-test-key" not in open(f"/proc/{process.pid}/cmdline", "rb").read()
         with pytest.raises(urllib.error.HTTPError) as refused:
@@ -764,7 +816,7 @@ def test_a_score_is_the_log_probability_margin_and_a_label_is_above_the_threshol
     monkeypatch.setattr(labeler, "first_token", lambda *a, **k: {"text": " I", "logprobs": {
         "tokens": [" I"], "token_logprobs": [-0.1], "text_offset": [0], "top_logprobs": [next(answers)]}})
     assert labeler.score("a", 0) == pytest.approx(1.8) and labeler.score("b", 0) == pytest.approx(-3.9)
-    assert labeler.score("c", 0) is annotator.UNPARSEABLE and labeler.scored
+    assert labeler.score("c", 0) is annotator.UNPARSEABLE and labeler.logprobs
 
 
 def test_the_labeler_asks_a_message_as_the_pool_holds_it_one_space_between_words(monkeypatch):
@@ -775,7 +827,7 @@ def test_the_labeler_asks_a_message_as_the_pool_holds_it_one_space_between_words
     labeler = base_labeler(fake)
     fake.stop()
     asked = []
-    monkeypatch.setattr(labeler, "score", lambda caption, server: asked.append(caption) or 0.0)
+    monkeypatch.setattr(labeler, "score", lambda caption, server, precise=True: asked.append(caption) or 0.0)
     labeler.ask("Continue eating? [yn] (n) ")
     labeler.ask(("Continue eating? [yn] (n) ", "You hear bubbling water.  It's a wall."))  # as NetHack shows it
     assert asked == ["Continue eating? [yn] (n)"] * 2 + ["You hear bubbling water. It's a wall."]
@@ -783,8 +835,8 @@ def test_the_labeler_asks_a_message_as_the_pool_holds_it_one_space_between_words
 
 @pytest.mark.parametrize("threshold", [0.25, -0.5])
 @pytest.mark.parametrize("missing", ["error", "absent"])
-def test_a_server_without_log_probabilities_gets_greedy_answers_and_says_so_once(tmp_path, capsys, monkeypatch,
-                                                                                 missing, threshold):
+def test_a_server_without_log_probabilities_gets_bisected_scores_and_says_so_once(tmp_path, capsys, monkeypatch,
+                                                                                   missing, threshold):
     monkeypatch.setattr(annotator, "THRESHOLD", threshold)
     fake = FakeOpenAI().start()
     fake.logprobs = missing  # llama.cpp without --logits_all answers HTTP 500; another server may leave them out
@@ -794,11 +846,12 @@ def test_a_server_without_log_probabilities_gets_greedy_answers_and_says_so_once
     a.close()
     fake.stop()
     assert {c: a.labels[c] for c in CAPTIONS} == expected_labels() and a.stats["answers_scored"] == 0
-    assert a.labels[annotator.item_key(("It's a wall.", "You kill the newt!"))] == 2  # pairs: from the two labels
+    assert a.labels[annotator.item_key(("It's a wall.", "You kill the newt!"))] == 2  # pairs: from the two scores
     assert a.labels[annotator.item_key(("You kill the newt!", "You kill the grid bug!"))] is None
     yes, no = (str(TOKENS[w][-1]) for w in (" Yes", " No"))  # the same decision: Yes where its margin > THRESHOLD
-    assert fake.calls[-1][1]["logit_bias"] == {yes: 100.0 - max(threshold, 0), no: 100.0 + min(threshold, 0)}
-    assert "logprobs" not in fake.calls[-1][1]
+    biases = [body["logit_bias"] for path, body in fake.calls if "logit_bias" in body]
+    assert {yes: 100.0 - max(threshold, 0), no: 100.0 + min(threshold, 0)} in biases
+    assert len(biases) >= len(CAPTIONS) + 3 * (1 + annotator.BISECTIONS)  # a label each; the pairs' 3 scores
     assert capsys.readouterr().err.count("returns no log-probabilities") == 1
     assert a.stats.get("failures", 0) == 0
 

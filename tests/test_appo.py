@@ -381,10 +381,12 @@ def in_session(sid):
     (["--batch-size", "100"], "error: --batch-size (100) must be a multiple of"),
     (["--resume", "/nonexistent/run"], "error: no checkpoint at /nonexistent/run"),
     (["--device", "nonsense"], "error: cannot use device 'nonsense'"),
-    (["--max-episode-steps", "0"], "error: need --max-episode-steps >= 1, --llm-threads >= 1 and 0 < --reward-model-share"),
-    (["--llm-threads", "0"], "error: need --max-episode-steps >= 1, --llm-threads >= 1 and 0 < --reward-model-share"),
-    (["--reward-model-share", "0"], "error: need --max-episode-steps >= 1, --llm-threads >= 1 and 0 < --reward-model-share"),
-    (["--reward-model-share", "1.5"], "error: need --max-episode-steps >= 1, --llm-threads >= 1 and 0 < --reward-model-share"),
+    (["--max-episode-steps", "0"], "error: need --max-episode-steps >= 1, --llm-threads >= 1, 0 < --reward-model-share"),
+    (["--llm-threads", "0"], "error: need --max-episode-steps >= 1, --llm-threads >= 1, 0 < --reward-model-share"),
+    (["--reward-model-share", "0"], "error: need --max-episode-steps >= 1, --llm-threads >= 1, 0 < --reward-model-share"),
+    (["--reward-model-share", "1.5"], "error: need --max-episode-steps >= 1, --llm-threads >= 1, 0 < --reward-model-share"),
+    (["--llm-share", "0"], "error: need --max-episode-steps >= 1, --llm-threads >= 1, 0 < --reward-model-share"),
+    (["--llm-share", "1.5"], "error: need --max-episode-steps >= 1, --llm-threads >= 1, 0 < --reward-model-share"),
 ])
 def test_bad_flags_are_one_line_errors(argv, message, tmp_path):
     result = run(argv + ["--total-env-steps", "1000", "--run-dir", str(tmp_path / "r")], timeout=120)

@@ -224,7 +224,8 @@ def test_resume_reloads_labels_without_asking_again(tmp_path, monkeypatch):
                                   annotator.item_key(("You kill the newt!", "It's a wall."))}  # either order is known
     model.rewards(torch.zeros(2, 1), rm.to_rows(["You kill the newt!", "It's a wall."]).view(2, 1, 256),
                   torch.ones(2, 1, dtype=torch.int32), torch.zeros(2, 1, dtype=torch.bool))
-    assert model.label_requests() == (["It's a wall."], [])  # the labelled caption is not asked again
+    # the labelled caption is not asked again; the other goes with its pay weight over the run, resumes included
+    assert model.label_requests() == ({"It's a wall.": 2.0}, {})
     # a trained model: the labels given back before its checkpoint are not new, and owe no training
     monkeypatch.setattr(rm, "BURST", 2)
     pairs = [{"pair": [f"The {m} bites!", f"You kill the {m}!"], "preference": 2} for m in MONSTERS]
@@ -285,7 +286,7 @@ def test_real_nle_messages_are_labelled_by_the_embedded_server_and_reach_the_lea
 
 def test_ranking_pairs_are_answered_by_the_embedded_server_with_a_real_preference(tmp_path):
     """Ranking's pairs through the real embedded llama.cpp server (the fake server is for faults): drawn from
-    the pool, asked, answered from the model's log-probabilities, trained on once a draw. Each pairs a helpful
+    the pool, asked, answered from the model's scores (restricted greedy tokens), trained on once a draw. Each pairs a helpful
     message with an unhelpful one; the model prefers the helpful one, and the reward model trained on the
     answers ranks it higher."""
     kill, wall, gold = "You kill the newt!", "It's a wall.", "You see here 5 gold pieces."  # 3 scores of ~5 s
@@ -296,7 +297,7 @@ def test_ranking_pairs_are_answered_by_the_embedded_server_with_a_real_preferenc
         for pool in ([kill, wall], [wall, gold]):  # one pair each, drawn 8 times: asked once
             model.pair_pool, model.batches_to_pair = pool, 1
             captions, pairs = model.label_requests()
-            assert captions == [] and len(pairs) == 1
+            assert captions == {} and len(pairs) == 1
             client.request(captions, pairs)
         deadline = time.time() + 300
         while model.waiting and time.time() < deadline:
@@ -304,7 +305,8 @@ def test_ranking_pairs_are_answered_by_the_embedded_server_with_a_real_preferenc
             model.add_labels(client.new_records())
     finally:
         client.close()
-    assert not model.waiting and client.stats()["answers_scored"] == 1  # log-probabilities, no greedy token
+    assert not model.waiting and client.stats()["answers_scored"] == 0  # scores by bisection: llama.cpp's
+    # log-probabilities cost ~7 labels a score
     helpful = {kill, gold}
     trained = model.piece.pairs
     assert len(trained) == 2 * rm.PAIRS_PER_BATCH
@@ -350,7 +352,7 @@ def test_motif_trains_offline_from_pairs_then_stays_frozen(tmp_path):
             f.write(json.dumps({"pair": [good, bad], "preference": 1}) + "\n")
             f.write(json.dumps({"pair": [bad, good], "preference": 2}) + "\n")
     model = rm.IntrinsicReward(make_args(reward_type="motif", labels_from=str(path), raw_ranking=True), "cpu")
-    assert model.label_requests() == ([], [])  # no LLM at training time
+    assert model.label_requests() == ({}, {})  # no LLM at training time
     frozen = {k: v.clone() for k, v in model.piece.model.state_dict().items()}
     model.add_labels([{"pair": [bad, good], "preference": 1}])
     assert model.piece.train_now() == 0
@@ -803,13 +805,13 @@ def test_ranking_trains_on_every_drawn_pair_as_often_as_the_steps_show_it():
 def test_a_pair_drawn_again_before_its_answer_is_asked_once_and_trained_on_every_draw():
     model = rm.IntrinsicReward(make_args(reward_type="ranking"), "cpu")
     model.pair_pool, model.batches_to_pair = [WALL] * 6 + [KILL] * 4, 1
-    _, pairs = model.label_requests()
+    pairs = list(model.label_requests()[1])
     assert len(pairs) == 1 and not model.piece.pairs  # 8 draws of one pair, in either order: asked once
     answer = {"pair": list(pairs[0]), "preference": 1 if pairs[0][0] == KILL else 2}
     model.add_labels([answer])
     assert len(model.piece.pairs) == 8 and all(p == float(a == KILL) for a, b, p in model.piece.pairs)
     model.batches_to_pair = 2
-    assert model.label_requests() == ([], [])  # answered: 16 more draws trained on, none asked
+    assert model.label_requests() == ({}, {})  # answered: 16 more draws trained on, none asked
     assert len(model.piece.pairs) == 24 and all(p == float(a == KILL) for a, b, p in model.piece.pairs)
     assert model.known_keys() == {annotator.item_key((WALL, KILL)), annotator.item_key((KILL, WALL))}
     resumed = rm.IntrinsicReward(make_args(reward_type="ranking"), "cpu")
@@ -1027,12 +1029,18 @@ def test_a_resume_continues_the_reward_model_exactly(monkeypatch):
     assert again.piece.reference == ranking.piece.reference and again.piece.batches == 3
 
 
-def test_new_captions_are_asked_most_seen_first():
-    """Guards: new captions went out in byte order (np.unique's), and a full annotator backlog takes the first ones:
-    "You kill the newt!", last from A to Z, was turned away before the prompts and walls."""
+def test_an_unlabelled_caption_is_sent_with_the_pay_weight_it_has_accrued_and_a_label_ends_it():
+    """Guards the backlog's order (issue 44): captions went out once, at first sight, with no worth, so the annotator
+    could only ask them in the order first seen, and a message paid often but first seen late waited for rare ones."""
     model = rm.IntrinsicReward(make_args(reward_type="retrieval"), "cpu")
-    model.rewards(*steps_of([("Are you sure you want to pray? [yn] (n)", 1), ("You kill the newt!", 5), (WALL, 3)]))
-    assert model.label_requests()[0] == ["You kill the newt!", WALL, "Are you sure you want to pray? [yn] (n)"]
+    prompt = "Are you sure you want to pray? [yn] (n)"
+    model.rewards(*steps_of([(prompt, 1), ("You kill the newt!", 5), (WALL, 3)]))
+    first = {WALL: 3.0, prompt: 1.0, "You kill the newt!": 5.0}  # each step its episode's first sight: 1/1^beta
+    assert model.label_requests()[0] == pytest.approx(first)  # each with its pay weight
+    model.add_labels([{"caption": "You kill the newt!", "label": 1}])
+    model.rewards(*steps_of([(prompt, 1), ("You kill the newt!", 1)]))
+    assert model.label_requests()[0] == pytest.approx({prompt: 2.0})  # seen again: its worth grew; labelled: gone
+    assert model.unanswered()[0] == pytest.approx({prompt: 2.0, WALL: first[WALL]})  # a restart: most worth first
 
 
 def test_a_sweep_of_unanswered_captions_is_bounded_and_oldest_first():
@@ -1044,10 +1052,10 @@ def test_a_sweep_of_unanswered_captions_is_bounded_and_oldest_first():
     model.asked["just asked"] = now
     model.last_retry = 0.0
     captions, _ = model.label_requests()
-    assert captions == [f"message {i}" for i in range(annotator.MAX_BACKLOG)]
+    assert list(captions) == [f"message {i}" for i in range(annotator.MAX_BACKLOG)]
     model.last_retry = 0.0
     captions, _ = model.label_requests()  # the rest, then those asked again: not before another RETRY_S
-    assert captions == [f"message {i}" for i in range(annotator.MAX_BACKLOG, n)]
+    assert list(captions) == [f"message {i}" for i in range(annotator.MAX_BACKLOG, n)]
     assert list(model.asked)[-1] == f"message {n - 1}" and len(model.asked) == n + 1
 
 

@@ -26,13 +26,13 @@ import llm_server
 
 LABELS_FILE, MAX_BACKLOG = "labels.jsonl", 10_000  # the run's answers; the most items waiting to be asked
 URL_CONCURRENCY = 64  # requests in flight to --llm-url servers: vLLM batches concurrent requests itself
-EMBEDDED_CONCURRENCY = 2  # llama.cpp answers one at a time: a second request only hides the round trip
+EMBEDDED_CONCURRENCY = 1  # llama.cpp answers one at a time and caches one prompt, which a bisection reuses
 TIMEOUT_S, MAX_BACKOFF_S = 60.0, 30.0  # a request's limit; the longest pause of a server that keeps failing
 TOKENIZE_BACKOFF_S = (0.5, 1.0, 2.0)  # start-up retries of the server's tokenize endpoint
 CHECK_EVERY_S, MAX_RESTARTS = 5.0, 5  # LabelClient.check(): how often it reads the stats; restarts
 UNKNOWN_RETRY_S = 60.0  # a caption answered with no label is asked again after this, if sent again
-EMBEDDED_SHARE = 0.25  # The embedded server's busy share of wall time: its cores are the learner's too.
-MAX_CREDIT_S = 5.0  # An idle labeler saves up at most this much busy time for a burst.
+EMBEDDED_SHARE = 0.4  # The embedded server's most CPU time over wall time (of 2 cores, a fifth of the box).
+MAX_CREDIT_S = 5.0  # An idle labeler saves up at most this much of its share for a burst.
 UNPARSEABLE = object()
 
 # --- Prompts: chat ones let an instruct model reason first (the paper's); completion ones show examples.
@@ -287,7 +287,8 @@ class Labeler:  # turns a caption or pair into a label with one HTTP request to 
                 print("annotator: the server returns no log-probabilities: scores come from greedy Yes/No "
                       "answers under logit biases", file=sys.stderr, flush=True)
         if not self.restricted:  # the model's own greedy answer: argmax, a label with no THRESHOLD
-            label = parse_choice(self.first_token(prompt, server, logit_bias=None)["text"], {"yes": 1, "no": 0})
+            label = parse_choice(self.first_token(prompt, server, logit_bias=None)["text"],
+                                 {"yes": 1, "no": 0})
             return label if label is UNPARSEABLE else THRESHOLD + (1.0 if label else -1.0)
         yes, no = (str(self.token_ids[word]) for word in (" Yes", " No"))
 
@@ -362,6 +363,15 @@ class Manager(multiprocessing.managers.SyncManager):
 Manager.register("LabelTable", LabelTable, exposed=("put", "since", "settled"))
 
 
+def cpu_seconds(pid):  # the CPU time a process (all its threads) has used, from /proc; None if unreadable
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 class Backlog:
     """What waits to be asked, the most worth first (the oldest of equals): a caption's worth is the pay
     weight it has accrued while unlabelled (the learner's figure), so a message paid often is asked before a
@@ -401,14 +411,15 @@ class Backlog:
 
 
 def serve(*, urls, model, prompts, concurrency, run_dir, known, requests, table, stats, stop, scored,
-          demos=None, timeout_s=TIMEOUT_S, share=1.0):
+          demos=None, timeout_s=TIMEOUT_S, share=1.0, server_pid=None):
     """The annotator process: `concurrency` requests in flight, each to the least busy server not pausing,
-    busy (a request in flight) at most `share` of wall time: the embedded server shares the learner's cores.
-    """
+    within `share`: the CPU time of the server at server_pid (the embedded one, on the learner's cores) over
+    wall time, else the share of wall time with a request in flight."""
     labeler = Labeler(urls, model, prompts, timeout_s, scored, demos)
     asking = set()  # keys in flight: a retry of one must not ask it twice
     backlog, attempts, in_flight = Backlog(), collections.Counter(), {}
-    credit, last_turn = MAX_CREDIT_S * min(share, 1.0), time.time()  # busy seconds the share allows now
+    credit, last_turn = MAX_CREDIT_S * min(share, 1.0), time.time()  # seconds of work the share allows now
+    last_cpu = server_pid and cpu_seconds(server_pid)
     answered, unknown_until = [], {}  # this turn's answers, written together; when to ask an unknown again
     done = set(known) | set(table.settled())  # a restarted annotator does not ask again what is answered
     latencies, counts = collections.deque(maxlen=1000), collections.Counter(stats.copy())  # counts go on
@@ -448,8 +459,10 @@ def serve(*, urls, model, prompts, concurrency, run_dir, known, requests, table,
                 for item, worth in items.items():
                     enqueue(item, worth)
         now = time.time()
-        credit = min(credit + (now - last_turn) * (share - bool(in_flight)), MAX_CREDIT_S * share)
-        last_turn = now
+        cpu = server_pid and cpu_seconds(server_pid)
+        spent = cpu - last_cpu if None not in (cpu, last_cpu) else (now - last_turn) * bool(in_flight)
+        credit = min(credit + (now - last_turn) * share - spent, MAX_CREDIT_S * share)
+        last_turn, last_cpu = now, cpu
         ready = [s for s in range(len(urls)) if now >= resume_at[s]]
         if labeler.style is None and ready:
             try:
@@ -568,7 +581,8 @@ class LabelClient:
         process = self.ctx.Process(target=_serve_process, daemon=True, kwargs=dict(
             urls=self.urls, model=self.args.llm_model, prompts=self.prompts, concurrency=self.concurrency,
             run_dir=self.run_dir, known=self.known, requests=self.requests, table=self.table,
-            stats=self.shared_stats, stop=self.stop, scored=self.scored, demos=self.demos, share=self.share))
+            stats=self.shared_stats, stop=self.stop, scored=self.scored, demos=self.demos, share=self.share,
+            server_pid=self.server and self.server.pid))
         process.start()
         self.process = process  # only once started: close() joins it
 

@@ -109,7 +109,8 @@ class NetHackTask(base.NLE):
                                # How it ended, and the last step's words (a god's lightning is a DIED).
                                "end": ("success" if success else "time limit" if truncated
                                        else END_NAMES.get(int(self.nethack.how_done()), "died")),
-                               "end_text": " ".join(b" ".join(self._texts).decode("latin-1").split())[-300:]}
+                               "end_text": " ".join(b" ".join(self._texts).decode("latin-1").split())[-120:]
+                               if done else ""}
         if (success or truncated) and not done:
             # Quitting refills NLE's arrays: keep the last real observation, a truncation's bootstrap.
             obs = {k: v.copy() for k, v in obs.items()}

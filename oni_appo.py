@@ -95,8 +95,8 @@ class Args:
     llm_threads: int | None = None
     """CPU threads of the embedded LLM server (default: the cores left over by the env workers, >= 1)"""
     llm_share: float | None = None
-    """the most of wall time the labeler may keep a request in flight (default: 0.25 for the embedded
-    server, which shares the learner's cores; 1 for --llm-url servers)"""
+    """the embedded LLM server's most CPU time over wall time (default 0.4 of a core: it shares the learner's
+    cores); with --llm-url, the most of wall time a request is in flight (default 1)"""
     prompt_file: str | None = None
     """JSON file with your own prompt templates (see annotator.py)"""
     demos: str | None = None

@@ -32,6 +32,7 @@ evaluated episode (evaluate.py --record) to RUN/replay and RUN/replay_random: ep
 episode0.ttyrec3.bz2.
 """
 import argparse
+import functools
 import glob
 import json
 import os
@@ -43,6 +44,8 @@ import warnings
 
 import numpy as np
 
+import llm_server
+
 ROOT = os.path.dirname(os.path.abspath(__file__))
 SCORE, STAIRS = "NetHackScoreExtendedActions-v1", "NetHackStaircaseExtendedActions-v1"
 # name: (task, reward type, extrinsic coef (None: oni_appo's default), default env steps)
@@ -52,22 +55,32 @@ CONFIGS = {
     "free_retrieval": (SCORE, "retrieval", 0, 500_000),
     "free_ranking": (SCORE, "ranking", 0, 500_000),
     "free_classification": (SCORE, "classification", 0, 500_000),
-    # The sparse task with its reward at the paper's coefficient (c_ext 10): alone, with each ONI reward, ELLM.
+    # The sparse task, its reward at the paper's coefficient (c_ext 10): alone, with each ONI reward, ELLM.
     "stairs_task": (STAIRS, "none", None, 1_000_000),
     "stairs_retrieval": (STAIRS, "retrieval", None, 1_000_000),
     "stairs_classification": (STAIRS, "classification", None, 1_000_000),
     "stairs_ranking": (STAIRS, "ranking", None, 1_000_000),
     "stairs_ellm": (STAIRS, "ellm", None, 1_000_000),
 }
-METRICS = ["score", "kills", "depth", "explored", "intrinsic_return"]
-TITLES = {"xlvl": "experience level", "intrinsic_rewarded_fraction": "share of an episode's steps paid"}
+METRICS = ["score", "steps", "depth", "success", "kills", "explored", "intrinsic_return"]
+TITLES = {"xlvl": "experience level", "intrinsic_rewarded_fraction": "share of an episode's steps paid",
+          "steps": "episode steps"}
 BINS, WINDOW = 25, 100
+# How an episode ended, from what envs.py records (`end`, `end_text`): NetHack's DIED covers monsters, traps
+# and gods alike, so a god's wrath is read from the last step's words: its curse, its lightning, its minions
+# (the monk's pantheon: the default character). Episodes recorded before `end` existed have none.
+# The baselines a config is read against: {baseline: (measure, the configs it applies to by name prefix)}.
+BASELINES = {"free_none": ("score", ("free_", "score_")), "score_extrinsic": ("score", ("free_", "score_")),
+             "stairs_task": ("success", ("stairs_",))}
+ENDS = ("killed", "starvation", "prayer", "other", "time limit", "success")
+WRATH = ("Thou hast angered me", "bolt of lightning", "fry to a crisp", "disintegrat", "of Shan Lai Ching",
+         "of Chih Sung-tzu", "of Huan Ti")
 
 
 def run_command(run_dir, task, reward, coef, seed, steps, extra):
     """The oni_appo.py command for this run dir, or None when it is complete."""
     summary = os.path.join(run_dir, "summary.json")
-    if os.path.exists(summary) and json.load(open(summary)).get("env_steps", 0) >= steps:
+    if os.path.exists(summary) and read_json(summary).get("env_steps", 0) >= steps:
         return None
     if os.path.exists(os.path.join(run_dir, "checkpoint.pt")):
         return [sys.executable, "oni_appo.py", "--resume", run_dir, "--total-env-steps", str(steps), *extra]
@@ -77,10 +90,26 @@ def run_command(run_dir, task, reward, coef, seed, steps, extra):
     return command + ["--seed", str(seed), "--total-env-steps", str(steps), "--run-dir", run_dir, *extra]
 
 
+def read_json(path):  # A file this driver reads, or one `error:` line that names it.
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"error: cannot read {path}: {error}")
+
+
+def write_atomic(path, text):  # Whole or not at all: a reader never meets a file cut short.
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
 def execute(command, log):
     """Runs command in ROOT, output to log; returns its exit code. Not subprocess.run: on Ctrl-C (which the
-    run gets too) that kills the run at once, while oni_appo.py needs a moment to save its checkpoint."""
-    with subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT) as process:
+    run gets too) that kills the run at once, while oni_appo.py needs a moment to save its checkpoint. The
+    child gets SIGTERM if this driver dies (kill -9 too): it saves and stops, and a restart resumes it."""
+    with subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                          preexec_fn=functools.partial(llm_server.die_with_parent, os.getpid())) as process:
         try:
             return process.wait()
         except KeyboardInterrupt:
@@ -102,7 +131,7 @@ def set_aside(run_dir, names):
 def run_all(args, extra):
     """Runs every config x seed in turn; returns the number of failed runs."""
     times_path = os.path.join(args.out, "wall_times.json")
-    wall_times = json.load(open(times_path)) if os.path.exists(times_path) else {}
+    wall_times = read_json(times_path) if os.path.exists(times_path) else {}
     failures = 0
     for name in args.configs:
         task, reward, coef, steps = CONFIGS[name]
@@ -112,11 +141,11 @@ def run_all(args, extra):
             command = run_command(run_dir, task, reward, coef, seed, steps, extra)
             if command is None:
                 print(f"{name}/seed{seed}: complete ({steps:,} steps), skipped", flush=True)
-                evaluate_after(run_dir, args.eval_after)
+                failures += evaluate_after(run_dir, args.eval_after)
                 continue
             os.makedirs(run_dir, exist_ok=True)
-            # A start killed before its first checkpoint left logs that oni_appo.py refuses to append to, and an
-            # evaluation is of a policy that now trains on: both are set aside.
+            # A start killed before its first checkpoint left logs that oni_appo.py refuses to append to, and
+            # an evaluation is of a policy that now trains on: both are set aside.
             fresh = "--resume" not in command
             stale = sorted(name for name in os.listdir(run_dir) if name == "eval.json" or fresh and (
                 name in ("episodes.jsonl", "labels.jsonl") or name.startswith("events.out.tfevents")))
@@ -127,34 +156,39 @@ def run_all(args, extra):
             with open(os.path.join(run_dir, "console.log"), "a") as log:
                 rc = execute(command, log)
             seconds = time.time() - start
-            wall_times[f"{name}/seed{seed}"] = wall_times.get(f"{name}/seed{seed}", 0.0) + seconds  # over resumes
-            with open(times_path, "w") as f:
-                json.dump(wall_times, f, indent=1)
+            key = f"{name}/seed{seed}"  # Summed over resumes.
+            wall_times[key] = wall_times.get(key, 0.0) + seconds
+            write_atomic(times_path, json.dumps(wall_times, indent=1))
             if rc != 0:
                 failures += 1
-                print(f"error: {name}/seed{seed} exited with {rc} after {seconds:,.0f} s; see {run_dir}/console.log",
+                print(f"error: {name}/seed{seed} exited with {rc} after {seconds:,.0f} s; "
+                      f"see {run_dir}/console.log",
                       flush=True)
             else:
                 print(f"{name}/seed{seed}: done in {seconds:,.0f} s", flush=True)
-                if run_command(run_dir, task, reward, coef, seed, steps, extra) is None:  # complete, not stopped
-                    evaluate_after(run_dir, args.eval_after)
+                if run_command(run_dir, task, reward, coef, seed, steps, extra) is None:  # Not stopped.
+                    failures += evaluate_after(run_dir, args.eval_after)
     return failures
 
 
 def evaluate_after(run_dir, episodes):
-    """--eval-after: a complete run evaluated at once, while its checkpoint is here (checkpoints are not committed:
-    the runs of results/free_1m made before this flag lost theirs with their machine, and cannot be evaluated). The
-    seed's runs evaluated already are passed along (not one in progress), so that its random actions are played once
-    (see evaluate)."""
-    if episodes and os.path.exists(os.path.join(run_dir, "checkpoint.pt")):
-        seed = glob.glob(os.path.join(os.path.dirname(os.path.dirname(run_dir)), "*", os.path.basename(run_dir)))
-        print(evaluate([d for d in seed if d == run_dir or os.path.exists(os.path.join(d, "eval_random.json"))
-                        and os.path.exists(os.path.join(d, "checkpoint.pt"))], episodes), flush=True)
+    """--eval-after: a complete run evaluated at once, while its checkpoint is here (checkpoints are not
+    committed). The seed's runs evaluated already are passed along (not one in progress), so that its random
+    actions are played once (see evaluate). Returns the number of evaluations that failed, each said."""
+    if not episodes or not os.path.exists(os.path.join(run_dir, "checkpoint.pt")):
+        return 0
+    seed = glob.glob(os.path.join(os.path.dirname(os.path.dirname(run_dir)), "*", os.path.basename(run_dir)))
+    table, failures = evaluate([d for d in seed if d == run_dir or os.path.exists(
+        os.path.join(d, "eval_random.json")) and os.path.exists(os.path.join(d, "checkpoint.pt"))], episodes)
+    print(table, flush=True)
+    for failure in failures:
+        print(f"error: {failure}", flush=True)
+    return len(failures)
 
 
 def load_episodes(path):
-    """A file's episodes; older files lack env_steps (-> cumulative steps). A missing intrinsic field or xlvl is
-    NaN, left out of means: older files lack them, and a run's last episodes, which end in steps no update
+    """A file's episodes; older files lack env_steps (-> cumulative steps). A missing intrinsic field or xlvl
+    is NaN, left out of means: older files lack them, and a run's last episodes, which end in steps no update
     trained on, have no intrinsic totals."""
     episodes = [json.loads(line) for line in open(path) if line.strip()]
     cumulative = np.cumsum([e["steps"] for e in episodes])
@@ -162,7 +196,7 @@ def load_episodes(path):
         e.setdefault("env_steps", int(steps))
         for key in ("intrinsic_return", "intrinsic_rewarded_fraction", "xlvl"):
             e.setdefault(key, float("nan"))
-    return sorted(episodes, key=lambda e: e["env_steps"])  # written as the learner's totals come, nearly in order
+    return sorted(episodes, key=lambda e: e["env_steps"])  # Written as the learner's totals come.
 
 
 def run_dirs(dirs):
@@ -190,9 +224,19 @@ def commits(run_dir):
     """The commits of a run's sessions as its summary.json records them, in order, each once (short; "+" where
     the code had uncommitted changes); "not recorded" for a run before the record or with no summary yet."""
     path = os.path.join(run_dir, "summary.json")
-    sessions = json.load(open(path)).get("sessions", []) if os.path.exists(path) else []
+    sessions = read_json(path).get("sessions", []) if os.path.exists(path) else []
     named = [s["commit"][:7] + "+" * (s["uncommitted_changes"] is True) for s in sessions]
     return " ".join(dict.fromkeys(named)) or "not recorded"
+
+
+def end_kind(episode):
+    """One of ENDS for an episode with a recorded end, else None."""
+    end = episode.get("end")
+    if end is None or end in ("time limit", "success"):
+        return end
+    if end == "died":
+        return "prayer" if any(w in episode.get("end_text", "") for w in WRATH) else "killed"
+    return "starvation" if end == "starving" else "other"
 
 
 def mean(values):
@@ -212,47 +256,87 @@ def best_window(values):
     return np.convolve(values, np.ones(n) / n, "valid").max()
 
 
+def per_seed(seeds, value, window=WINDOW):
+    """'mean ± std' over seeds of value(a seed's last `window` episodes)."""
+    return across_seeds([value(s[-window:]) for s in seeds])
+
+
+def share(episodes, key, level):
+    """The share of the episodes whose `key` reached `level`, in percent; NaN where one lacks it."""
+    values = np.array([e.get(key, np.nan) for e in episodes], dtype=float)
+    return float("nan") if np.isnan(values).any() else 100 * np.mean(values >= level)
+
+
 def table(runs, made):
-    """Markdown table: per config, means over each seed's last 100 episodes, then across seeds; the commits
-    that made each seed (made: {config: [commits() of each seed]}), separated by "/"."""
-    columns = METRICS + ["xlvl", "intrinsic_rewarded_fraction", "steps"]
-    titles = [f"{TITLES.get(c, c)} (last {WINDOW})" for c in columns]
-    lines = ["| config | seeds | env steps | " + " | ".join(titles)
+    """Markdown tables, means over each seed's last 100 episodes, then 'mean ± std' across seeds: per episode
+    and per step, with the commits that made each seed (made: {config: [commits() of each seed]}, "/" between
+    seeds); what the agents reached (depth and experience level, shares reaching 2 and 3); and how the whole
+    run's episodes ended, in percent (from the recorded end; "not recorded" for runs from before it)."""
+    score, steps = (lambda s: [e["score"] for e in s]), (lambda s: sum(e["steps"] for e in s))
+    columns = {"score": lambda s: mean(score(s)), "median score": lambda s: np.median(score(s)),
+               "score / 1,000 steps": lambda s: 1000 * sum(score(s)) / steps(s),
+               "kills / 1,000 steps": lambda s: 1000 * sum(e["kills"] for e in s) / steps(s),
+               "steps": lambda s: mean([e["steps"] for e in s]),
+               "success": lambda s: mean([e.get("success", float("nan")) for e in s])}
+    reached = {"depth": lambda s: mean([e["depth"] for e in s]),
+               "Dlvl ≥ 2 %": lambda s: share(s, "depth", 2),
+               "Dlvl ≥ 3 %": lambda s: share(s, "depth", 3),
+               "experience level": lambda s: mean([e["xlvl"] for e in s]),
+               "XL ≥ 2 %": lambda s: share(s, "xlvl", 2),
+               "XL ≥ 3 %": lambda s: share(s, "xlvl", 3),
+               "kills": lambda s: mean([e["kills"] for e in s]),
+               "explored": lambda s: mean([e["explored"] for e in s]),
+               "intrinsic_return": lambda s: mean([e["intrinsic_return"] for e in s]),
+               "intrinsic_rewarded_fraction": lambda s: mean([e["intrinsic_rewarded_fraction"] for e in s])}
+    title = lambda c: f"{TITLES.get(c, c)} (last {WINDOW})"
+    first = ["| config | seeds | env steps | " + " | ".join(map(title, columns))
              + f" | score (first {WINDOW}) | score (best {WINDOW}) | commit |",
              "|---" * (len(columns) + 6) + "|"]
+    second = ["| config | " + " | ".join(map(title, reached)) + " |",
+              "|---" * (len(reached) + 1) + "|"]
+    third = ["| config | episodes (whole run) | " + " | ".join(f"{end} %" for end in ENDS) + " |",
+             "|---" * (len(ENDS) + 2) + "|"]
     for name, seeds in runs.items():
         env_steps = min(s[-1]["env_steps"] for s in seeds)
-        cells = [across_seeds([mean([e[c] for e in s[-WINDOW:]]) for s in seeds]) for c in columns]
-        first = across_seeds([np.mean([e["score"] for e in s[:WINDOW]]) for s in seeds])
-        best = across_seeds([best_window([e["score"] for e in s]) for s in seeds])
-        lines.append(f"| {name} | {len(seeds)} | {env_steps:,} | " + " | ".join(cells)
-                     + f" | {first} | {best} | {' / '.join(made[name])} |")
-    return "\n".join(lines) + "\n"
+        first.append(f"| {name} | {len(seeds)} | {env_steps:,} | "
+                     + " | ".join(per_seed(seeds, f) for f in columns.values())
+                     + f" | {across_seeds([np.mean(score(s[:WINDOW])) for s in seeds])}"
+                     + f" | {across_seeds([best_window(score(s)) for s in seeds])}"
+                     + f" | {' / '.join(made[name])} |")
+        second.append(f"| {name} | " + " | ".join(per_seed(seeds, f) for f in reached.values()) + " |")
+        ends = [[end_kind(e) for e in s] for s in seeds]
+        cells = (["not recorded"] * len(ENDS) if any(None in kinds for kinds in ends) else
+                 [across_seeds([100 * kinds.count(end) / len(kinds) for kinds in ends]) for end in ENDS])
+        third.append(f"| {name} | {across_seeds([len(s) for s in seeds])} | " + " | ".join(cells) + " |")
+    return "\n\n".join("\n".join(t) for t in (first, second, third)) + "\n"
 
 
 def comparisons(runs):
-    """Markdown table: each config's last-100 score against the control (free_none) and the score-trained
-    agent (score_extrinsic; the control is not compared back), read by the rule the results are read with:
+    """Markdown table: each config's last-100 mean against the baselines of its task (BASELINES: the score
+    against the control and the score-trained agent; the Staircase's success rate against its task reward
+    alone; a baseline is not compared back with the control), read by the rule the results are read with:
     "beats" only where the gap of the means exceeds the larger sample std over seeds (ddof 1: the main table's
     ± is ddof 0, which understates the spread of 2-3 seeds), "below" where it falls short by more than it,
     else "within the std"; the seeds overlap unless every seed of one lies above every seed of the other.
     With one seed on one side or both there is no std: no claim, "—"."""
-    score = {name: [np.mean([e["score"] for e in s[-WINDOW:]]) for s in seeds]
-             for name, seeds in runs.items()}
-    lines = ["| config | against | gap of means | larger std (ddof 1) | reading | seeds overlap |",
-             "|---" * 6 + "|"]
-    for reference in ("free_none", "score_extrinsic"):
-        for name, a in score.items():
-            if name in (reference, "free_none") or reference not in score:
+    lines = ["| config | against | measure | gap of means | larger std (ddof 1) | reading | seeds overlap |",
+             "|---" * 7 + "|"]
+    for reference, (measure, prefix) in BASELINES.items():
+        value = {name: [np.mean([e.get(measure, np.nan) for e in s[-WINDOW:]]) for s in seeds]
+                 for name, seeds in runs.items() if name.startswith(prefix)}
+        for name, a in value.items():
+            if reference not in value or name in (reference, "free_none"):  # the control: not compared back
                 continue
-            b, gap = score[reference], np.mean(score[name]) - np.mean(score[reference])
+            b, gap = value[reference], np.mean(value[name]) - np.mean(value[reference])
             if min(len(a), len(b)) < 2:
-                lines.append(f"| {name} | {reference} | {gap:+.2f} | — | no claim (one seed) | — |")
+                lines.append(f"| {name} | {reference} | {measure} | {gap:+.2f} | — | no claim (one seed) "
+                             "| — |")
                 continue
             std = max(np.std(a, ddof=1), np.std(b, ddof=1))
             reading = "beats" if gap > std else "below" if -gap > std else "within the std"
             overlap = "no" if min(a) > max(b) or max(a) < min(b) else "yes"
-            lines.append(f"| {name} | {reference} | {gap:+.2f} | {std:.2f} | {reading} | {overlap} |")
+            lines.append(f"| {name} | {reference} | {measure} | {gap:+.2f} | {std:.2f} | {reading} "
+                         f"| {overlap} |")
     return "\n".join(lines) + "\n" if len(lines) > 2 else ""
 
 
@@ -262,7 +346,7 @@ def binned(seeds, metric):
     means = np.full((len(seeds), BINS), np.nan)
     for i, s in enumerate(seeds):
         x = np.array([e["env_steps"] for e in s])
-        y = np.array([e[metric] for e in s], dtype=float)
+        y = np.array([e.get(metric, np.nan) for e in s], dtype=float)
         which = np.clip(np.searchsorted(edges, x, side="right") - 1, 0, BINS - 1)
         for b in np.unique(which):
             means[i, b] = mean(y[which == b])
@@ -275,7 +359,7 @@ def plot(runs, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 3, figsize=(15, 8.5))
+    fig, axes = plt.subplots(2, 4, figsize=(19, 8.5))
     for ax, metric in zip(axes.flat, METRICS):
         for k, (name, seeds) in enumerate(runs.items()):
             x, means = binned(seeds, metric)
@@ -284,13 +368,16 @@ def plot(runs, path):
                 warnings.simplefilter("ignore", RuntimeWarning)
                 ax.plot(x, np.nanmean(means, axis=0), color=color, label=label)
                 if len(seeds) > 1:
-                    ax.fill_between(x, np.nanmin(means, axis=0), np.nanmax(means, axis=0), color=color, alpha=0.2)
-        ax.set_title(metric.replace("_", " "))
+                    ax.fill_between(x, np.nanmin(means, axis=0), np.nanmax(means, axis=0), color=color,
+                                    alpha=0.2)
+        ax.set_title({"steps": "episode steps", "success": "success (share of episodes)"}.get(
+            metric, metric.replace("_", " ")))
         ax.set_xlabel("env steps")
         ax.grid(alpha=0.3)
     handles, labels = axes.flat[0].get_legend_handles_labels()
     axes.flat[-1].axis("off")
-    axes.flat[-1].legend(handles, labels, loc="center", title=f"mean over seeds (min-max shaded), {BINS} bins")
+    axes.flat[-1].legend(handles, labels, loc="center",
+                         title=f"mean over seeds (min-max shaded), {BINS} bins")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -299,7 +386,8 @@ def plot(runs, path):
 def report(dirs, out, figure):
     """Writes the figure and OUT/curves.md, prints the table."""
     os.makedirs(out, exist_ok=True)
-    runs, figure, markdown = load_runs(dirs), figure or os.path.join(out, "curves.png"), os.path.join(out, "curves.md")
+    runs, markdown = load_runs(dirs), os.path.join(out, "curves.md")
+    figure = figure or os.path.join(out, "curves.png")
     made = {name: [commits(d) for d in seeds] for name, seeds in run_dirs(dirs).items()}
     plot(runs, figure)
     against = comparisons(runs)
@@ -311,51 +399,72 @@ def report(dirs, out, figure):
 
 
 def random_games(run_dir):
-    """What evaluate.py --random plays for this run: the games and the actions come from the run's task, seed and
-    episode limit, not from its policy (tests/test_evaluate.py), so the runs that share them share one evaluation.
+    """What evaluate.py --random plays for this run: the games and the actions come from the run's task, seed
+    and episode limit, not from its policy (tests/test_evaluate.py), so the runs that share them share one
+    evaluation.
     None without a checkpoint."""
     path = os.path.join(run_dir, "checkpoint.pt")
     if not os.path.exists(path):
         return None
     from oni_appo import read_checkpoint  # only here: plotting and training need no torch in this process
 
-    args = read_checkpoint(path)["args"]  # a checkpoint that needs pickle is refused, as evaluate.py refuses it
+    args = read_checkpoint(path)["args"]  # One that needs pickle is refused, as evaluate.py refuses it.
     return args["task"], args["seed"], args.get("max_episode_steps")
 
 
 def evaluate(dirs, episodes, record=False):
     """`evaluate.py` on each run's final checkpoint and `--random` on the same episodes (their seeds come
     from the run's seed; done once for the runs of one task and seed), unless done (with record: and their
-    first episode's replay); then one markdown table of the means +- std over episodes."""
-    rows = ["| run | policy | episodes | score | kills | depth | explored | steps |", "|---|---|---|---|---|---|---|---|"]
+    first episode's replay); returns one markdown table of the means +- std over episodes, and a line for each
+    evaluate.py that failed (its output is in RUN/eval.log)."""
+    rows = ["| run | policy | episodes | score | kills | depth | explored | steps | median score "
+            "| score / 1,000 steps | success | Dlvl ≥ 2 % | experience level | XL ≥ 2 % | "
+            + " | ".join(f"{end} %" for end in ENDS) + " |", "|---" * (14 + len(ENDS)) + "|"]
+    failures = []
     run_dirs = sorted(d for path in dirs for d in glob.glob(os.path.join(path, "seed*")) or [path])
     shared = {}  # (task, seed, episode limit) -> an eval_random.json of those games (see random_games)
     for d in run_dirs:  # those played already, first: a run sorted before them must not play them again
         path = os.path.join(d, "eval_random.json")
-        if not record and os.path.exists(path) and len(json.load(open(path))["episodes"]) == episodes:
+        if not record and os.path.exists(path) and len(read_json(path)["episodes"]) == episodes:
             shared.setdefault(random_games(d), path)
     shared.pop(None, None)  # a run without its checkpoint cannot say which games it played
     for run_dir in run_dirs:
         for random, name in ((False, "eval.json"), (True, "eval_random.json")):
-            flags, replay = ["--random"] * random, os.path.join(run_dir, "replay_random" if random else "replay")
+            flags = ["--random"] * random
+            replay = os.path.join(run_dir, "replay_random" if random else "replay")
             if record:
                 flags += ["--record", replay, "--record-episodes", "1"]
             games = random and not record and random_games(run_dir)
             if games in shared and not os.path.exists(os.path.join(run_dir, name)):
-                shutil.copy(shared[games], os.path.join(run_dir, name))  # it names the checkpoint it was played with
+                shutil.copy(shared[games], os.path.join(run_dir, name))  # It names the checkpoint it played.
             if not os.path.exists(os.path.join(run_dir, name)) or (
                     record and not os.path.exists(os.path.join(replay, "episode0.html"))):
-                execute([sys.executable, "evaluate.py", run_dir, "--episodes", str(episodes), *flags],
-                        subprocess.DEVNULL)
+                with open(os.path.join(run_dir, "eval.log"), "a") as log:
+                    command = [sys.executable, "evaluate.py", run_dir, "--episodes", str(episodes), *flags]
+                    rc = execute(command, log)
+                if rc:
+                    with open(os.path.join(run_dir, "eval.log")) as log:
+                        failures.append(f"{' '.join(['evaluate.py', *flags])} on {run_dir} exited with {rc}: "
+                                        f"{(log.read().strip().splitlines() or [''])[-1]}")
             if os.path.exists(os.path.join(run_dir, name)):
-                results = json.load(open(os.path.join(run_dir, name)))["episodes"]
+                results = read_json(os.path.join(run_dir, name))["episodes"]
                 if games and len(results) == episodes:
                     shared.setdefault(games, os.path.join(run_dir, name))
                 cells = [f"{np.mean([e[k] for e in results]):.2f} ± {np.std([e[k] for e in results]):.2f}"
                          for k in ("score", "kills", "depth", "explored", "steps")]
-                rows.append(f"| {os.path.relpath(run_dir, ROOT)} | {'random actions' if random else 'trained'} | "
+                kinds = [end_kind(e) for e in results]
+                cells += [f"{np.median([e['score'] for e in results]):.1f}",
+                          f"{1000 * sum(e['score'] for e in results) / sum(e['steps'] for e in results):.1f}",
+                          f"{mean([e.get('success', np.nan) for e in results]):.2f}",
+                          f"{share(results, 'depth', 2):.1f}",
+                          f"{mean([e.get('xlvl', np.nan) for e in results]):.2f}",
+                          f"{share(results, 'xlvl', 2):.1f}"]
+                cells += (["not recorded"] * len(ENDS) if None in kinds else
+                          [f"{100 * kinds.count(end) / len(kinds):.1f}" for end in ENDS])
+                policy = "random actions" if random else "trained"
+                rows.append(f"| {os.path.relpath(run_dir, ROOT)} | {policy} | "
                             f"{len(results)} | " + " | ".join(cells) + " |")
-    return "\n".join(rows) + "\n"
+    return "\n".join(rows) + "\n", failures
 
 
 def main(argv=None):
@@ -368,25 +477,30 @@ def main(argv=None):
     parser.add_argument("--steps", type=lambda s: int(float(s)), default=None,
                         help="env steps of every config (accepts 2e9; default: each config's own)")
     parser.add_argument("--num-workers", type=int, default=None, help="passed to oni_appo.py")
-    parser.add_argument("--out", default="results/curves")
+    parser.add_argument("--out", default="runs/curves")
     parser.add_argument("--figure", default=None, help="PNG path (default OUT/curves.png)")
     parser.add_argument("--plot", nargs="+", metavar="DIR", help="only plot these config or run dirs")
     parser.add_argument("--eval", nargs="+", metavar="DIR", help="only evaluate these config or run dirs "
                         "(trained policy and random actions, --eval-episodes each) into OUT/eval.md")
     parser.add_argument("--eval-episodes", type=int, default=20)
-    parser.add_argument("--eval-after", type=int, default=0, metavar="EPISODES", help="evaluate each run over this "
+    parser.add_argument("--eval-after", type=int, default=0, metavar="EPISODES",
+                        help="evaluate each run over this "
                         "many episodes once it is complete (eval.json, eval_random.json in its dir; 0: not)")
-    parser.add_argument("--record", action="store_true", help="with --eval: also the replay of each run's first "
+    parser.add_argument("--record", action="store_true",
+                        help="with --eval: also the replay of each run's first "
                         "episode, trained and random, in RUN/replay and RUN/replay_random")
     args = parser.parse_args(argv)
     if args.plot or args.eval:
         if args.plot:
             report(args.plot, args.out, args.figure)
-        if args.eval:
+        if args.eval:  # The table at the end, whole: a failure halfway keeps the last one.
             os.makedirs(args.out, exist_ok=True)
-            with open(os.path.join(args.out, "eval.md"), "w") as f:
-                f.write(evaluate(args.eval, args.eval_episodes, args.record))
-            print(open(os.path.join(args.out, "eval.md")).read())
+            table, failures = evaluate(args.eval, args.eval_episodes, args.record)
+            write_atomic(os.path.join(args.out, "eval.md"), table)
+            print(table)
+            for failure in failures:
+                print(f"error: {failure}", file=sys.stderr)
+            return 1 if failures else 0
         return 0
     if args.num_workers is not None:
         extra = ["--num-workers", str(args.num_workers)] + extra

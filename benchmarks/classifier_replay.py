@@ -1,6 +1,6 @@
 """Replays runs' labels through ONI-Classification's reward model: does it pay what its own labels say?
 
-    python benchmarks/classifier_replay.py results/free_1m_rerun/free_classification/seed{1,2,3} \
+    python benchmarks/classifier_replay.py results/five_1m/free_classification/seed{1,2,3} \
         --baseline f57417e
 
 Each run's labels go in as the LLM gave them (labels.jsonl order, 25 at a time), the trainer keeps its own

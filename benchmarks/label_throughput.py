@@ -6,7 +6,7 @@
 An LLM server is stood in for by benchmarks/fake_openai.py with a fixed latency per request (--latency,
 2 s: an 8B instruct model reasoning before it answers, on a vLLM that batches all the requests it
 gets). The distinct messages of a recorded run (messages.tsv: message, steps, ...; by default the
-reward-free 500k-step runs of learning_curves.py under results/curves/) arrive as they
+reward-free 1M-step runs of learning_curves.py under results/five_1m/) arrive as they
 would in a run at --steps-per-s: (distinct messages / steps of the recorded run) x steps-per-s new
 ones a second, evenly spaced, in a random order (once all were shown they come again, made new by a
 suffix). A real run finds new messages faster at first and slower later: this is its average rate.
@@ -35,7 +35,8 @@ from fake_openai import FakeOpenAI  # noqa: E402
 
 RETRY_S = 60.0  # reward_models.RETRY_S: a message still unanswered after this long is asked again
 WINDOW_S = 60.0  # the goal: labelled within a minute of first sight
-RECORDED = ("results/curves/free_retrieval/seed1/messages.tsv", "results/curves/free_ranking/seed1/messages.tsv")
+RECORDED = ("results/five_1m/free_retrieval/seed1/messages.tsv",
+            "results/five_1m/free_ranking/seed1/messages.tsv")
 
 
 def recorded_messages(path):

@@ -1,6 +1,6 @@
 """Offline payouts of ONI-Ranking: what each candidate payout rule pays helpful and unhelpful messages.
 
-    python benchmarks/ranking_payout.py        # the committed runs of results/free_1m_rerun
+    python benchmarks/ranking_payout.py        # the committed runs of results/five_1m
 
 For each committed Ranking run, a Ranking model is trained on a set of pairs as Motif trains on --labels-from
 (rm.Motif, the same code: 10 epochs, at least 300 steps), every message the run saw (messages.tsv, deaths and
@@ -151,7 +151,7 @@ def accounting(steps, weight, R, label):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--root", default=os.path.join(runs.ROOT, "results", "free_1m_rerun"))
+    parser.add_argument("--root", default=os.path.join(runs.ROOT, "results", "five_1m"))
     parser.add_argument("--seed", type=int, default=1, help="the reward model's training and the draws' seed")
     parser.add_argument("--sample", type=int, default=16_384, help="steps of the `sample` reference")
     parser.add_argument("--hand-labels", default=runs.LABEL_SETS, help="the hand labels' label_sets.tsv")

@@ -6,6 +6,7 @@ import os
 import sys
 
 import numpy as np
+import pytest
 import torch
 
 import learning_curves as lc
@@ -39,9 +40,9 @@ def synthetic(tmp_path):
     return [str(tmp_path / "cfg"), str(tmp_path / "run")]
 
 
-def rows(text):
-    """{config: {column: cell}} from the markdown file's first table."""
-    first = text.strip().split("\n\n")[0]
+def rows(text, table=0):
+    """{config: {column: cell}} from one of the markdown file's tables (the first by default)."""
+    first = text.strip().split("\n\n")[table]
     lines = [[c.strip() for c in line.strip("|").split("|")] for line in first.splitlines()]
     return {cells[0]: dict(zip(lines[0], cells)) for cells in lines[2:]}
 
@@ -56,12 +57,18 @@ def test_table_and_figure(tmp_path, capsys):
     assert lc.main(["--plot", *dirs, "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert open(out / "curves.md").read() in printed
-    table = rows(open(out / "curves.md").read())
-    cfg, run = table["cfg"], table["run"]
+    text = open(out / "curves.md").read()
+    table, reached, ends = rows(text), rows(text, 1), rows(text, 2)
+    cfg, run = {**table["cfg"], **reached["cfg"]}, {**table["run"], **reached["run"]}
     assert cfg["seeds"] == "2" and cfg["env steps"] == "300,001"  # min over seeds of the last env_steps
     assert cfg["score (last 100)"] == "254.50 ± 5.00"  # seeds: mean(200..299) = 249.5 and 259.5
     assert cfg["score (first 100)"] == "54.50 ± 5.00" and cfg["score (best 100)"] == "254.50 ± 5.00"
-    assert cfg["intrinsic_return (last 100)"] == "0.50 ± 0.00" and cfg["steps (last 100)"] == "10.00 ± 0.00"
+    assert cfg["intrinsic_return (last 100)"] == "0.50 ± 0.00" and cfg["episode steps (last 100)"] == "10.00 ± 0.00"
+    assert cfg["score / 1,000 steps (last 100)"] == "25450.00 ± 500.00"  # per step: 254.5 a 10-step episode
+    assert cfg["median score (last 100)"] == "254.50 ± 5.00" and cfg["kills / 1,000 steps (last 100)"] == "100.00 ± 0.00"
+    assert cfg["XL ≥ 2 % (last 100)"] == "50.00 ± 50.00" and cfg["Dlvl ≥ 2 % (last 100)"] == "0.00 ± 0.00"
+    assert run["Dlvl ≥ 2 % (last 100)"] == "100.00" and run["XL ≥ 2 % (last 100)"] == "nan"  # not recorded
+    assert ends["cfg"]["killed %"] == "not recorded"  # no recorded end in these files
     assert cfg["experience level (last 100)"] == "1.50 ± 0.50"
     paid = "share of an episode's steps paid (last 100)"
     assert cfg[paid] == "0.10 ± 0.00"
@@ -81,7 +88,7 @@ def test_comparisons_claim_beats_only_beyond_the_larger_std_and_read_seed_overla
 
     def readings(text):
         lines = [[c.strip() for c in line.strip("|").split("|")] for line in text.strip().splitlines()[2:]]
-        return {(cells[0], cells[1]): cells[2:] for cells in lines}
+        return {(cells[0], cells[1]): cells[3:] for cells in lines}
 
     got = readings(lc.comparisons(runs(free_none=[5, 9], score_extrinsic=[10, 14], free_ranking=[30, 32],
                                        free_retrieval=[8, 24], free_classification=[1, 3], free_x=[12, 16])))
@@ -109,6 +116,32 @@ def test_comparisons_claim_beats_only_beyond_the_larger_std_and_read_seed_overla
                     str(tmp_path / "out")]) == 0
     written = open(tmp_path / "out" / "curves.md").read().split("\n\n")
     assert readings(written[-1]) == {("free_ranking", "free_none"): ["+53.50", "7.07", "beats", "no"]}
+
+
+def test_how_episodes_end_comes_from_the_recorded_end_and_the_staircase_is_read_by_success(tmp_path):
+    """Guards issue 43: the tables said nothing of how episodes end (starvation and a god's anger ended a third of
+    the ONI agents'), and a sparse task's configs must be read by their success, against the task reward alone."""
+    wrath = ('The voice of Chih Sung-tzu booms out: "Thou hast angered me." Suddenly, a bolt of lightning strikes '
+             'you! You fry to a crisp!')
+    episodes = [{"end": "died", "end_text": "The jackal bites! You die..."}, {"end": "died", "end_text": wrath},
+                {"end": "died", "end_text": "The earth elemental of Chih Sung-tzu hits! You die..."},
+                {"end": "starving", "end_text": "You die from starvation."}, {"end": "choking", "end_text": ""},
+                {"end": "time limit"}, {"end": "success"}, {}]
+    assert [lc.end_kind(e) for e in episodes] == ["killed", "prayer", "prayer", "starvation", "other", "time limit",
+                                                   "success", None]
+    base = {"return": 0.0, "steps": 10, "score": 1, "kills": 0, "depth": 1, "explored": 1, "xlvl": 1}
+    for seed, ends in ((1, ["died", "starving", "starving", "time limit"]), (2, ["starving"] * 4)):
+        write_episodes(tmp_path / "stairs_x" / f"seed{seed}" / "episodes.jsonl",
+                       [dict(base, end=end, env_steps=i) for i, end in enumerate(ends)])
+    assert lc.main(["--plot", str(tmp_path / "stairs_x"), "--out", str(tmp_path / "out")]) == 0
+    ends = rows(open(tmp_path / "out" / "curves.md").read(), 2)["stairs_x"]
+    assert ends["starvation %"] == "75.00 ± 25.00" and ends["killed %"] == "12.50 ± 12.50"  # seeds: 50% and 100%
+
+    def runs(**success):  # config -> each seed's last-100 success rate
+        return {name: [[{"success": x, "score": 0}] * lc.WINDOW for x in seeds] for name, seeds in success.items()}
+    text = lc.comparisons(runs(stairs_task=[0.1, 0.2], stairs_ranking=[0.5, 0.6], free_none=[0.0, 0.0]))
+    lines = [[c.strip() for c in line.strip("|").split("|")] for line in text.strip().splitlines()[2:]]
+    assert lines == [["stairs_ranking", "stairs_task", "success", "+0.40", "0.07", "beats", "no"]]
 
 
 def test_execute(tmp_path):
@@ -198,6 +231,32 @@ def test_eval_table_and_commands(tmp_path, monkeypatch):
     assert len(lines) == 4
     trained, random = ([c.strip() for c in line.strip("|").split("|")] for line in lines[2:])
     assert trained[1:4] == ["trained", "2", "3.00 ± 1.00"] and random[1:4] == ["random actions", "2", "30.00 ± 10.00"]
+
+
+def test_eval_reports_a_failed_evaluation_and_writes_its_table_whole_at_the_end(tmp_path, monkeypatch, capsys):
+    """Guards issue 45 item 5: eval.md was opened for writing before anything was evaluated (one refused checkpoint
+    left an existing eval.md at 0 bytes), and evaluate.py's failures went to /dev/null: exit 0, an empty table."""
+    run_dir, out = tmp_path / "cfg" / "seed1", tmp_path / "out"
+    os.makedirs(run_dir)
+    os.makedirs(out)
+    (out / "eval.md").write_text("the last table\n")
+
+    def failing_execute(command, log):
+        log.write("error: cannot read checkpoint: cut short\n")
+        return 1
+    monkeypatch.setattr(lc, "execute", failing_execute)
+    assert lc.main(["--eval", str(tmp_path / "cfg"), "--out", str(out), "--eval-episodes", "3"]) == 1
+    err = capsys.readouterr().err
+    assert f"error: evaluate.py on {run_dir} exited with 1: error: cannot read checkpoint: cut short" in err
+    assert (out / "eval.md").read_text().startswith("| run | policy |")  # written whole, after the evaluations
+
+    def interrupted(command, log):
+        raise KeyboardInterrupt
+    (out / "eval.md").write_text("the last table\n")
+    monkeypatch.setattr(lc, "execute", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        lc.main(["--eval", str(tmp_path / "cfg"), "--out", str(out), "--eval-episodes", "3"])
+    assert (out / "eval.md").read_text() == "the last table\n"  # a stop halfway keeps the last table
 
 
 def test_eval_plays_random_actions_once_per_task_and_seed(tmp_path, monkeypatch):

@@ -15,11 +15,13 @@ import multiprocessing.managers
 import os
 import queue
 import re
+import secrets
 import signal
 import sys
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 
 import llm_server
@@ -109,19 +111,26 @@ def load_demos(path=None) -> list:
             pairs = [(r["caption"], r["label"]) for r in read_labels(path) if r.get("label") is not None]
         else:
             with open(path) as f:
-                header, *rows = [line.rstrip("\n").split("\t") for line in f if line.strip()] or [[]]
-            column = {name: i for i, name in enumerate(header)}
-            if not {"message", "label"} <= set(column):
+                rows = [(n, line.rstrip("\n").split("\t")) for n, line in enumerate(f, 1) if line.strip()]
+            header = rows.pop(0)[1] if rows else []
+            if not {"message", "label"} <= set(header):
                 raise ValueError("its first line must name the tab-separated columns message and label")
-            pairs = [(row[column["message"]], int(row[column["label"]])) for row in rows
-                     if "split" not in column or row[column["split"]] == "dev"]
-    except (OSError, ValueError, IndexError, KeyError) as error:
+            pairs = []
+            for n, row in rows:  # a bad row: its line and what is wrong with it
+                field, where = dict(zip(header, row)), f"{path} line {n}"
+                if missing := {"message", "label", "split"} & set(header) - set(field):
+                    raise Fatal(f"the demonstrations {where} has no {' or '.join(sorted(missing))} column")
+                if field.get("split", "dev") == "dev":
+                    if field["label"].strip() not in ("0", "1"):
+                        raise Fatal(f"the demonstrations {where}: label {field['label']!r} is not 0 or 1")
+                    pairs.append((field["message"], int(field["label"])))
+    except (OSError, ValueError, KeyError) as error:
         raise Fatal(f"cannot read the demonstrations {path}: {type(error).__name__}: {error}") from None
     pool = {as_asked(message): label for message, label in pairs}
     if set(pool.values()) != {0, 1}:
         only = "none" if not pool else f"all labelled {next(iter(pool.values()))}"
         raise Fatal(f"the demonstrations {path} hold {len(pool)} labelled messages, {only}: "
-                    "a pool needs both labels")
+                    "a pool needs both labels, 0 and 1")
     return [(message, int(label), trigrams(message)) for message, label in pool.items()]
 
 
@@ -165,13 +174,18 @@ def read_labels(path: str) -> list[dict]:
     try:
         with open(path) as f:
             lines = f.read().split("\n")
-        try:  # a last line with no newline may be a write that a crash cut short: skipped if so
-            json.loads(lines[-1] or "null")
-        except ValueError:
-            lines.pop()
-        records = [(n, json.loads(line)) for n, line in enumerate(lines, 1) if line.strip()]
     except (OSError, ValueError) as error:
         raise SystemExit(f"error: cannot read labels from {path}: {error}")
+    records = []
+    for n, line in enumerate(lines, 1):
+        try:
+            records += [(n, json.loads(line))] if line.strip() else []
+        except (ValueError, RecursionError) as error:  # the file's line: json's line and column are its own
+            if n == len(lines):  # a last line with no newline may be a write that a crash cut short: skipped
+                break
+            where = f"line {n} column {error.colno}: {error.msg}" if isinstance(error, json.JSONDecodeError) \
+                else f"line {n}: {error}"
+            raise SystemExit(f"error: cannot read labels from {path}: {where}")
     for n, record in records:
         if not valid_record(record):
             raise SystemExit(f"error: {path} line {n} is not a label or a pair record: "
@@ -208,7 +222,7 @@ def fill(prompts, name, **fields):
 
 
 class Labeler:  # turns a caption or pair into a label with one HTTP request to one of the servers
-    def __init__(self, urls, model, prompts, timeout_s, scored=True, demos=None):
+    def __init__(self, urls, model, prompts, timeout_s, scored=True, demos=None, key=None):
         self.urls, self.timeout_s = [u.rstrip("/") for u in urls], timeout_s
         self.demos = demos  # the demonstration pool; None: the default
         self.model, self.prompts, self.style = model, prompts, None  # style: set once the model is known
@@ -216,14 +230,14 @@ class Labeler:  # turns a caption or pair into a label with one HTTP request to 
         self.wants_scores, self.llama_cpp = scored, False  # Ranking's pairs compare scores, the rest labels
         self.fallback_said = threading.Lock()
         self.logprobs = None if scored else False  # whether the server returns them; None: not known yet
-        self.key = llm_server.auth_headers()  # sent on every request: a server may want it for each endpoint
+        self.key = llm_server.auth_headers(key)  # on every request: a server may want it for each endpoint
 
     def call(self, url, body=None, timeout_s=None):
         """JSON answer to POST `body` (GET without). Not openai: its CPU cost slows the one-core annotator."""
         data = None if body is None else json.dumps(body).encode()
         headers = {"Content-Type": "application/json", **self.key}
         request = urllib.request.Request(url, data=data, headers=headers)
-        with urllib.request.urlopen(request, timeout=timeout_s or self.timeout_s) as response:
+        with llm_server.urlopen(request, timeout=timeout_s or self.timeout_s) as response:
             return json.load(response)
 
     def resolve_model(self, server=0):
@@ -406,16 +420,18 @@ class Backlog:
     def pop(self, key):
         return self.items.pop(key)
 
-    def forget(self, key):  # answered for good: its worth is no longer needed
+    def forget(self, key):  # answered for good, wherever it waits: a pair answered free may still be queued
+        self.items.pop(key, None)
         self.worth.pop(key, None)
 
 
 def serve(*, urls, model, prompts, concurrency, run_dir, known, requests, table, stats, stop, scored,
-          demos=None, timeout_s=TIMEOUT_S, share=1.0, server_pid=None):
+          demos=None, timeout_s=TIMEOUT_S, share=1.0, key=None, server_pid=None):
     """The annotator process: `concurrency` requests in flight, each to the least busy server not pausing,
     within `share`: the CPU time of the server at server_pid (the embedded one, on the learner's cores) over
-    wall time, else the share of wall time with a request in flight."""
-    labeler = Labeler(urls, model, prompts, timeout_s, scored, demos)
+    wall time, else the share of wall time with a request in flight.
+    """
+    labeler = Labeler(urls, model, prompts, timeout_s, scored, demos, key)
     asking = set()  # keys in flight: a retry of one must not ask it twice
     backlog, attempts, in_flight = Backlog(), collections.Counter(), {}
     credit, last_turn = MAX_CREDIT_S * min(share, 1.0), time.time()  # seconds of work the share allows now
@@ -522,7 +538,11 @@ def serve(*, urls, model, prompts, concurrency, run_dir, known, requests, table,
 
 def _serve_process(**kwargs):
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the learner decides when we stop
-    serve(**kwargs)
+    try:
+        serve(**kwargs)
+    except (ConnectionError, EOFError):  # the Manager's table is gone, with the learner (kill -9): no trace
+        print("annotator: the learner's label table is gone: stopping", file=sys.stderr, flush=True)
+        os._exit(1)  # now: nobody will read the answers of the requests in flight
 
 
 def _manager_process(parent):  # the learner decides when the manager stops; Ctrl-C it ignores itself
@@ -530,11 +550,25 @@ def _manager_process(parent):  # the learner decides when the manager stops; Ctr
     llm_server.die_with_parent(parent, signal.SIGKILL)  # the trainer's death kills it, and so the annotator
 
 
+def check_llm_flags(urls, concurrency=None):
+    """--llm-url and --llm-concurrency, before anything starts (a URL that is no http(s) one was retried for
+    the whole run as a server that is down): raises SystemExit with one line."""
+    for url in urls or []:
+        with contextlib.suppress(ValueError):  # a port that is no number
+            parts = urllib.parse.urlsplit(url)
+            if parts.scheme in ("http", "https") and parts.hostname and parts.port != 0:
+                continue
+        raise SystemExit(f"error: --llm-url {url!r} is no http:// or https:// URL (http://HOST:PORT/v1)")
+    if concurrency is not None and concurrency < 1:
+        raise SystemExit(f"error: --llm-concurrency must be at least 1, not {concurrency}")
+
+
 class LabelClient:
     """Starts the annotator (and the LLM server without --llm-url), feeds it, reads labels, restarts it."""
     def __init__(self, args):
         self.args, self.server, self.process, self.final_stats, self.prompts = (args, None, None, None,
                                                                                 dict(PROMPTS))
+        check_llm_flags(getattr(args, "llm_url", None), getattr(args, "llm_concurrency", None))
         self.records_read, self.restarts, self.next_check = 0, 0, 0.0  # records_read: the table cursor
         try:  # read now: a bad pool is an error before anything starts, not in the annotator later
             self.demos = load_demos(getattr(args, "demos", None))
@@ -558,9 +592,11 @@ class LabelClient:
         self.concurrency = getattr(self.args, "llm_concurrency", None) or (
             URL_CONCURRENCY if self.urls else EMBEDDED_CONCURRENCY)
         self.share = getattr(self.args, "llm_share", None) or (1.0 if self.urls else EMBEDDED_SHARE)
-        if not self.urls:
+        self.key = None  # --llm-url servers get OPENAI_API_KEY's, if set
+        if not self.urls:  # the embedded one a key made for this run: other local users get HTTP 401
+            self.key = secrets.token_urlsafe(24)
             self.server, url = llm_server.start(log_path=os.path.join(run_dir, "llm_server.log"),
-                                                threads=getattr(self.args, "llm_threads", None),
+                                                threads=getattr(self.args, "llm_threads", None), key=self.key,
                                                 num_workers=getattr(self.args, "num_workers", 0))
             self.urls = [url]
             print(f"embedded LLM server at {url}", flush=True)
@@ -582,7 +618,7 @@ class LabelClient:
             urls=self.urls, model=self.args.llm_model, prompts=self.prompts, concurrency=self.concurrency,
             run_dir=self.run_dir, known=self.known, requests=self.requests, table=self.table,
             stats=self.shared_stats, stop=self.stop, scored=self.scored, demos=self.demos, share=self.share,
-            server_pid=self.server and self.server.pid))
+            key=self.key, server_pid=self.server and self.server.pid))
         process.start()
         self.process = process  # only once started: close() joins it
 

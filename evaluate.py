@@ -15,6 +15,7 @@ R/N^beta under the checkpoint's reward model (the learner's own code: what it wo
 K numbers the episodes in the order they start, as eval.json lists them.
 """
 import collections
+import contextlib
 import glob
 import json
 import os
@@ -47,8 +48,6 @@ class Args:
     """write each episode's replay here: NLE's ttyrec and an HTML page"""
     record_episodes: int | None = None
     """with --record: only the first this many episodes (default: all)"""
-    trust_checkpoint: bool = False
-    """load a checkpoint that needs pickle, which can run code (an older one you trust): rewrites it safe"""
 
 
 TEMPLATE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "replay.html")
@@ -122,7 +121,12 @@ def evaluate(args: Args) -> dict:
         fail("--episodes and --record-episodes must be at least 1")
     device = pick_device(args.device)
     agent = Agent().to(device).eval()
-    path, checkpoint, saved = load_checkpoint(args.checkpoint, agent, args.trust_checkpoint)
+    path, checkpoint, saved = load_checkpoint(args.checkpoint, agent)
+    out = os.path.join(os.path.dirname(path), "eval_random.json" if args.random else "eval.json")
+    try:  # a run dir it cannot write to fails now, not after every episode is played
+        tempfile.TemporaryFile(dir=os.path.dirname(out)).close()
+    except OSError as error:
+        fail(f"cannot write {out}: {error.strerror or error}")
     # the actions' own stream, on the CPU: the same actions each time, with or without --record (whose reward
     # model draws from torch's global one), and the same random ones with --random
     sampler = torch.Generator().manual_seed(saved.seed)
@@ -186,10 +190,16 @@ def evaluate(args: Args) -> dict:
         print(f"  {k:10s} {v:12.2f} +- {np.std([r[k] for r in results]):.2f}")
     ends = dict(collections.Counter(r["end"] for r in results))  # how they ended
     print(f"  ends       {ends}")
-    out = os.path.join(os.path.dirname(path), "eval_random.json" if args.random else "eval.json")
-    with open(out, "w") as f:
-        json.dump({"checkpoint": path, "random_actions": args.random, "episodes": results, "mean": summary,
-                   "ends": ends}, f, indent=1)
+    tmp = f"{out}.{os.getpid()}.tmp"
+    try:  # whole or not at all: a reader never finds half of it
+        with open(tmp, "w") as f:
+            json.dump({"checkpoint": path, "random_actions": args.random, "episodes": results, "mean": summary,
+                       "ends": ends}, f, indent=1)
+        os.replace(tmp, out)
+    except OSError as error:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        fail(f"cannot write {out}: {error.strerror or error}")
     if recorded:
         for i, episodes in enumerate(played):
             for reset, k in enumerate(episodes):

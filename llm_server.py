@@ -4,7 +4,8 @@
     python llm_server.py --backend vllm --model meta-llama/Llama-3.1-8B-Instruct --tensor-parallel-size 1
 
 Prints the base URL for `--llm-url` once `/v1/models` answers; stops on Ctrl-C or SIGTERM. oni_appo.py starts
-the embedded one itself. With OPENAI_API_KEY set, the server answers only requests that carry that key."""
+the embedded one itself, behind a key of its own. With OPENAI_API_KEY set, the server answers only requests
+that carry that key."""
 import argparse
 import contextlib
 import ctypes
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 import urllib.request
 
 BACKENDS = ("llama_cpp", "vllm")  # each also the name of the module it needs
@@ -35,18 +37,32 @@ def die_with_parent(parent, sig=signal.SIGTERM):
             os._exit(1)
 
 
-def auth_headers() -> dict:  # the header that carries OPENAI_API_KEY's key, if set, on a request to a server
-    key = os.environ.get(KEY_VARIABLE)
+def auth_headers(key=None) -> dict:  # the header that carries the key (default: OPENAI_API_KEY's), if any
+    key = key or os.environ.get(KEY_VARIABLE)
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
-def server_environment(backend) -> dict:
-    """This environment with OPENAI_API_KEY in the variable the backend reads, no other key (a stray API_KEY
-    locks the annotator out), nor HOST or PORT: llama.cpp would obey them and start() would wait in vain."""
+class KeyStaysHome(urllib.request.HTTPRedirectHandler):
+    """Follows a redirect to another origin (scheme, host or port: urllib keeps the key) without the key, as
+    OpenAI's client does. Origins compare as written: a port or host written otherwise counts as another."""
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        new = super().redirect_request(req, fp, code, msg, headers, newurl)
+        if new is not None and urllib.parse.urlsplit(newurl)[:2] != urllib.parse.urlsplit(req.full_url)[:2]:
+            new.remove_header("Authorization")
+        return new
+
+
+urlopen = urllib.request.build_opener(KeyStaysHome).open  # every request that may carry a key goes through it
+
+
+def server_environment(backend, key=None) -> dict:
+    """This environment with the key (default: OPENAI_API_KEY's) in the variable the backend reads, no other
+    key (a stray API_KEY locks the annotator out), nor HOST or PORT: llama.cpp would obey them and start()
+    would wait in vain."""
     dropped = {*SERVER_KEY_VARIABLES.values(), "HOST", "PORT"}
     env = {k: v for k, v in os.environ.items() if k.upper() not in dropped}
-    if os.environ.get(KEY_VARIABLE):
-        env[SERVER_KEY_VARIABLES[backend]] = os.environ[KEY_VARIABLE]
+    if key := key or os.environ.get(KEY_VARIABLE):
+        env[SERVER_KEY_VARIABLES[backend]] = key
     return env
 
 
@@ -71,6 +87,7 @@ def build_command(backend, model, host, port, threads=None, tensor_parallel_size
         return [sys.executable, "-m", "llama_cpp.server", "--model", model, "--host", host,
                 "--port", str(port),
                 "--n_threads", str(threads or max(1, (os.cpu_count() or 1) - num_workers)), "--n_ctx", "2048",
+                "--logits_all", "false",  # Its default computes every prompt token's logits: ~2.5x a label.
                 "--model_alias", os.path.basename(model).removesuffix(".gguf")]
     if model is None:
         raise SystemExit("error: --backend vllm needs --model (a Hugging Face name or a local path)")
@@ -83,8 +100,9 @@ def build_command(backend, model, host, port, threads=None, tensor_parallel_size
 
 
 def start(backend="llama_cpp", model=None, host="127.0.0.1", port=None, threads=None, tensor_parallel_size=1,
-          log_path=None, timeout_s=600.0, num_workers=0, gpu_memory_utilization=0.5):
-    """Starts the server as a child process; returns (process, base URL) once it answers."""
+          log_path=None, timeout_s=600.0, num_workers=0, gpu_memory_utilization=0.5, key=None):
+    """Starts the server as a child process, behind `key` (default: OPENAI_API_KEY's); returns (process, base
+    URL) once it answers."""
     with socket.socket() as probe:
         if not port:  # a free one
             probe.bind(("127.0.0.1", 0))
@@ -99,7 +117,7 @@ def start(backend="llama_cpp", model=None, host="127.0.0.1", port=None, threads=
     # kills llama.cpp (on SIGTERM it waits out a dead annotator's requests), stops vLLM, which has children.
     sig = signal.SIGKILL if backend == "llama_cpp" else signal.SIGTERM
     process = subprocess.Popen(command, stdout=open(log_path, "a"), stderr=subprocess.STDOUT,
-                               start_new_session=True, env=server_environment(backend),
+                               start_new_session=True, env=server_environment(backend, key),
                                preexec_fn=functools.partial(die_with_parent, os.getpid(), sig))
     url, deadline = (f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}/v1",
                      time.time() + timeout_s)
@@ -108,8 +126,8 @@ def start(backend="llama_cpp", model=None, host="127.0.0.1", port=None, threads=
             tail = " | ".join(open(log_path, errors="replace").read().strip().splitlines()[-3:])
             raise SystemExit(f"error: the LLM server exited with code {process.returncode}: {tail}")
         try:
-            with urllib.request.urlopen(urllib.request.Request(f"{url}/models", headers=auth_headers()),
-                                        timeout=2) as response:
+            request = urllib.request.Request(f"{url}/models", headers=auth_headers(key))
+            with urlopen(request, timeout=2) as response:
                 if response.status == 200:
                     return process, url
         except OSError:

@@ -13,12 +13,14 @@ import collections
 import contextlib
 import dataclasses
 import enum
+import fcntl
 import json
 import math
 import multiprocessing.connection
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -35,6 +37,7 @@ import tyro
 
 import annotator
 import envs
+import llm_server
 import reward_models
 
 
@@ -108,8 +111,6 @@ class Args:
     """where checkpoints, tensorboard events, labels.jsonl and summary.json go (default: runs/NAME)"""
     resume: str | None = None
     """continue a run from its directory or a checkpoint file, at its exact counters"""
-    trust_checkpoint: bool = False
-    """--resume (or evaluate.py) from a checkpoint that needs pickle, which can run code: rewrites it safe"""
     checkpoint_every_s: float = 600.0
     """seconds between periodic checkpoints"""
     device: str = "auto"
@@ -122,7 +123,7 @@ class Args:
 
 RESUME_OVERRIDES = ("total_env_steps", "num_workers", "device", "track", "llm_url", "llm_model",
                     "llm_concurrency", "llm_threads", "llm_share", "prompt_file", "checkpoint_every_s",
-                    "reward_model_share", "trust_checkpoint")  # A resume takes these from its command line.
+                    "reward_model_share")  # A resume takes these from its command line.
 
 
 def fail(message: str):  # A clear one-line error for the user, with no traceback.
@@ -142,13 +143,19 @@ def parse_args(argv=None) -> Args:
     args = tyro.cli(Args, args=argv)
     args.demos = args.demos and os.path.abspath(args.demos)  # So that a resume from elsewhere finds it.
     if args.resume is not None:
-        path, _, saved = load_checkpoint(args.resume, trust=args.trust_checkpoint)
+        path, _, saved = load_checkpoint(args.resume)
         for name in sorted(given_flags(argv) - {"resume", "run_dir"}):
             if name in RESUME_OVERRIDES:
                 setattr(saved, name, getattr(args, name))
             else:
                 print(f"--resume: ignoring --{name.replace('_', '-')}; the run keeps its saved value",
                       file=sys.stderr)
+        # A saved URL was named by whoever made the run: the key goes only where this command line sends it.
+        if saved.llm_url and "llm_url" not in given_flags(argv):
+            if os.environ.get(llm_server.KEY_VARIABLE):
+                fail(f"--resume: the run asked {' '.join(saved.llm_url)}; {llm_server.KEY_VARIABLE} "
+                     "goes only to servers named on this command line: give --llm-url again")
+            print(f"--resume: asking the run's --llm-url {' '.join(saved.llm_url)}", file=sys.stderr)
         saved.resume, saved.run_dir = path, os.path.dirname(path)
         args = saved
     if args.task not in envs.TASKS:
@@ -162,9 +169,11 @@ def parse_args(argv=None) -> Args:
                     num_envs_per_worker=64 if gpu else 16, batch_size=4096 if gpu else 1024)
     for name, value in defaults.items():
         setattr(args, name, value if getattr(args, name) is None else getattr(args, name))
-    if (min(args.num_workers, args.rollout, args.batch_size, args.num_envs_per_worker - 1) < 1
-            or args.num_envs_per_worker % 2):
-        fail("need --num-workers, --rollout, --batch-size >= 1 and an even --num-envs-per-worker >= 2")
+    annotator.check_llm_flags(args.llm_url, args.llm_concurrency)  # Before the run dir or any process.
+    counts = args.num_workers, args.rollout, args.batch_size, args.total_env_steps
+    if min(*counts, args.num_envs_per_worker - 1) < 1 or args.num_envs_per_worker % 2:
+        fail("need --num-workers, --rollout, --batch-size, --total-env-steps >= 1 and an even "
+             "--num-envs-per-worker >= 2")
     if (args.max_episode_steps < 1 or (args.llm_threads is not None and args.llm_threads < 1)
             or not 0 < args.reward_model_share <= 1
             or not 0 < (1 if args.llm_share is None else args.llm_share) <= 1):
@@ -182,7 +191,8 @@ def parse_args(argv=None) -> Args:
     earlier = [name for name in ("checkpoint.pt", "episodes.jsonl", annotator.LABELS_FILE)
                if args.resume is None and os.path.exists(os.path.join(args.run_dir, name))]
     if earlier:  # A fresh start would overwrite its checkpoint and append to its logs.
-        fail(f"--run-dir {args.run_dir} holds a run ({', '.join(earlier)}): --resume it, or move them aside")
+        remedy = "--resume it, or move them aside" if "checkpoint.pt" in earlier else "move them aside"
+        fail(f"--run-dir {args.run_dir} holds a run ({', '.join(earlier)}): {remedy}")
     return args
 
 
@@ -575,7 +585,7 @@ def train(args):
     """A run: the learner's side, the acting process, learning to --total-env-steps or a stop, the summary."""
     run = set_up(args)
     start_acting(run)
-    run.start_time = time.time()
+    run.tally.start_time = run.tally.last_log = run.tally.last_checkpoint = time.time()
     print(f"training {args.task} with reward {args.reward_type}: {args.num_workers} workers x "
           f"{args.num_envs_per_worker} envs on {run.device}; run dir {args.run_dir}", flush=True)
     try:
@@ -591,6 +601,26 @@ def train(args):
 
 
 @dataclass
+class Tally:
+    """What the learner counts of a run and logs: its counters, this session's sums and each update's figures,
+    the episodes waiting for their intrinsic totals, and the totals of the checkpoint it resumed from."""
+    counters: dict  # collected_steps (ahead of learned_steps(run)), updates (the policy version), episodes.
+    saved_totals: dict  # The run's totals at the checkpoint it resumed from; run_totals adds this session's.
+    sessions: list  # The run_record() of each session, this one last.
+    pending: list  # Per env, the episodes the workers finished; joined with the next list in the log.
+    finished: list  # Per env, the learner's intrinsic totals of them.
+    intrinsic_totals: np.ndarray  # Per env, the intrinsic sums of its episode in progress.
+    start_collected: int  # The counts that this session started from.
+    start_learned: int
+    updates: collections.deque = field(default_factory=collections.deque)  # Figures of each update, to log.
+    losses: dict = field(default_factory=dict)
+    sums: collections.Counter = field(default_factory=collections.Counter)  # This session's (note_update).
+    start_time: float = field(default_factory=time.time)  # Set again once the acting process runs.
+    last_log: float = field(default_factory=time.time)
+    last_checkpoint: float = field(default_factory=time.time)
+
+
+@dataclass
 class Run:
     """The learner's side of a run, this process. It shares the rollout buffers, the weights, the stop flag
     and two pipes (full rollouts in, free buffers out) with the acting process: each has a GIL of its own."""
@@ -601,33 +631,24 @@ class Run:
     intrinsic: reward_models.IntrinsicReward
     client: annotator.LabelClient | None  # The annotator's: label requests go out, labels come in.
     writer: object  # Tensorboard's SummaryWriter; wandb syncs from it with --track.
-    counters: dict  # collected_steps (ahead of learned_steps(run)), updates (the policy version), episodes.
-    saved_totals: dict  # The run's totals at the checkpoint it resumed from; run_totals adds this session's.
-    sessions: list  # The run_record() of each session, this one last.
     buffers: dict  # The rollout buffers (make_buffers): enough for the slots in flight and one batch.
     weights: SharedWeights
     envs_per_slot: int
     buffers_per_batch: int
-    pending: list  # Per env, the episodes the workers finished; joined with the next list in the log.
-    finished: list  # Per env, the learner's intrinsic totals of them.
-    intrinsic_totals: np.ndarray  # Per env, the intrinsic sums of its episode in progress.
-    start_collected: int  # The counts that this session started from.
-    start_learned: int
+    tally: Tally
+    lock: object  # The run dir's lock file, held open while this learner runs (hold).
     acting: object = None  # The acting process, and the learner's ends of its two pipes (start_acting).
     full_rollouts: object = None
     free_buffers: object = None
-    updates: collections.deque = field(default_factory=collections.deque)  # Figures of each update, to log.
-    losses: dict = field(default_factory=dict)
-    sums: collections.Counter = field(default_factory=collections.Counter)  # This session's sums (see learn).
     failure: str | None = None  # A fatal LLM error, a dead env worker or acting process: saved, then said.
     ended: bool = False  # Nothing more comes from the acting process: its "end" was read, or its pipe closed.
-    start_time: float = field(default_factory=time.time)  # Set again once the acting process runs.
     stop: object = field(default_factory=lambda: mp.get_context("spawn").RawValue("b", 0))
+    stopped_by: int = 0  # The signal that stopped the run (Ctrl-C, SIGTERM), if one did: the exit code tells.
 
 
 def set_up(args) -> Run:
     """The learner's side of a run (on a resume, from the checkpoint), its label client, trainer started."""
-    os.makedirs(args.run_dir, exist_ok=True)
+    lock = hold(args.run_dir)
     sessions = [run_record(args)]
     print(f"run record: {json.dumps(sessions[0])}", flush=True)  # First, so that a console.log opens with it.
     np.random.seed(args.seed)
@@ -638,7 +659,7 @@ def set_up(args) -> Run:
     counters, saved_totals = {"collected_steps": 0, "updates": 0, "episodes": 0}, {}
     intrinsic = reward_models.IntrinsicReward(args, device)
     if args.resume:
-        checkpoint = resume(args, agent, optimizer, intrinsic, counters)
+        checkpoint = restore(args, agent, optimizer, intrinsic, counters)
         saved_totals, sessions = checkpoint.get("totals", {}), checkpoint.get("sessions", []) + sessions
     client = annotator.LabelClient(args) if args.reward_type in reward_models.NEEDS_LLM else None
     writer = make_writer(args)
@@ -651,10 +672,13 @@ def set_up(args) -> Run:
     buffers = make_buffers(2 * args.num_workers + buffers_per_batch, args.rollout, envs_per_slot)
     num_envs = args.num_workers * args.num_envs_per_worker
     pending, finished = ([collections.deque() for _ in range(num_envs)] for _ in range(2))
-    start = counters["collected_steps"], counters["updates"] * args.batch_size  # Collected, learned.
-    return Run(args, device, agent, optimizer, intrinsic, client, writer, counters, saved_totals, sessions,
-               buffers, SharedWeights(agent, counters["updates"]), envs_per_slot, buffers_per_batch, pending,
-               finished, np.zeros((num_envs, 3)), *start)
+    tally = Tally(counters=counters, saved_totals=saved_totals, sessions=sessions, pending=pending,
+                  finished=finished, intrinsic_totals=np.zeros((num_envs, 3)),
+                  start_collected=counters["collected_steps"],
+                  start_learned=counters["updates"] * args.batch_size)
+    return Run(args=args, device=device, agent=agent, optimizer=optimizer, intrinsic=intrinsic, client=client,
+               writer=writer, buffers=buffers, weights=SharedWeights(agent, counters["updates"]),
+               envs_per_slot=envs_per_slot, buffers_per_batch=buffers_per_batch, tally=tally, lock=lock)
 
 
 def start_acting(run):
@@ -665,49 +689,34 @@ def start_acting(run):
     run.free_buffers.send(list(range(2 * run.args.num_workers, len(run.buffers["h0"]))))
     run.acting = mp.get_context("spawn").Process(target=act_process, args=(  # No daemon: it starts workers.
         run.args, run.buffers, run.weights, full_rollouts_out, free_buffers_in, run.stop,
-        run.counters["collected_steps"]))
+        run.tally.counters["collected_steps"]))
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, signal.SIG_IGN)  # Inherited at the spawn: no child dies mid-import either.
     run.acting.start()
     full_rollouts_out.close()  # The acting process's end alone now: the pipe closes when it dies.
 
-    def request_stop(signum, frame):
-        if run.stop.value:
-            raise KeyboardInterrupt
-        print(f"\nsignal {signum}: stopping, saving a checkpoint (again to abort)", flush=True)
-        run.stop.value = 1
+    def request_stop(signum, frame):  # Again: the stop is under way, and it ends with the checkpoint saved.
+        again = "still " * bool(run.stop.value)
+        print(f"\nsignal {signum}: {again}stopping, saving a checkpoint", flush=True)
+        run.stop.value, run.stopped_by = 1, run.stopped_by or signum
     signal.signal(signal.SIGINT, request_stop)
     signal.signal(signal.SIGTERM, request_stop)
 
 
 def learn(run):
-    """Batch by batch: rewards, an APPO update, weights out, labels in; checkpoints come between updates."""
+    """Batch by batch: rewards, an APPO update, weights out, labels in; logs, checkpoints between updates."""
     torch.set_num_threads(TORCH_THREADS)  # The reward model's trainer thread sets its own: not this thread's.
-    last_log = last_checkpoint = time.time()
     while (rollouts := next_batch(run)) is not None:
         batch, step_message, env_ids, lag = take_batch(run, rollouts)
         started = time.perf_counter()
-        terminal = batch["end"] == End.TERMINATED  # summary.json's means are over steps, not over batches.
-        rewards, paid, reward_stats = run.intrinsic.rewards(batch["reward"], step_message,
-                                                            batch["step_count"], terminal)
-        add_intrinsic_episodes(run.intrinsic_totals, run.finished, paid, batch["end"], env_ids)
-        run.sums.update(lag_sum=lag.sum().item(), lag_steps=lag.numel(),
-                        terminal_paid=paid[terminal].sum().item(), terminal_steps=terminal.sum().item(),
-                        **{k: reward_stats.pop(k) for k in PAY_WEIGHTS})
-        run.sums["max_reward"] = max(run.sums.get("max_reward", -math.inf), paid.max().item())
-        intrinsic_done = time.perf_counter()
+        rewards, paid, reward_stats = run.intrinsic.rewards(
+            batch["reward"], step_message, batch["step_count"], batch["end"] == End.TERMINATED)
+        rewarded = time.perf_counter()
         losses = update_policy(run, batch, rewards)
         if run.client is not None:  # Here labels enter the reward, and captions leave for the LLM.
             run.intrinsic.exchange(run.client, stopping=run.stop.value)
-        run.losses = dict(losses, **run.intrinsic.train_stats(), time_intrinsic_s=intrinsic_done - started,
-                          time_policy_s=time.perf_counter() - intrinsic_done)
-        run.updates.append(dict(reward_stats, lag_mean=lag.mean().item(), lag_max=lag.max().item()))
-        if (now := time.time()) - last_log > 5:
-            log_progress(run, join_episodes(run.pending, run.finished), now)
-            last_log = now
-        if now - last_checkpoint > run.args.checkpoint_every_s:
-            save(run)
-            last_checkpoint = now
+        note_update(run, batch, paid, env_ids, lag, reward_stats, losses, (started, rewarded))
+        log_and_save(run)
 
 
 def next_batch(run):
@@ -726,14 +735,14 @@ def next_message(run, timeout):
     if not run.full_rollouts.poll(timeout):
         return None, None
     try:
-        kind, what, episodes, run.counters["collected_steps"] = run.full_rollouts.recv()
+        kind, what, episodes, run.tally.counters["collected_steps"] = run.full_rollouts.recv()
     except (EOFError, OSError):  # The pipe closed before an "end": it died (kill -9, OOM), mid-message.
         run.ended, run.failure, run.stop.value = True, run.failure or "the acting process died", 1
         return None, None
     run.ended |= kind == "end"
     for env, episode in episodes:
-        run.pending[env].append(episode)
-    run.counters["episodes"] += len(episodes)
+        run.tally.pending[env].append(episode)
+    run.tally.counters["episodes"] += len(episodes)
     if kind == "failure" or (kind == "end" and not run.stop.value):  # An end not asked for: an exception.
         run.failure = run.failure or what or "the acting process failed (its traceback is above)"
         run.stop.value = 1
@@ -749,7 +758,7 @@ def take_batch(run, rollouts):
     batch["obs"] = {k: data[k].to(run.device) for k in OBS_FIELDS}
     batch["h0"] = run.buffers["h0"][ids].flatten(0, 1).to(run.device)
     env_ids = np.concatenate([s * run.envs_per_slot + np.arange(run.envs_per_slot) for _, s in rollouts])
-    lag = run.counters["updates"] - run.buffers["version"][ids].float()
+    lag = run.tally.counters["updates"] - run.buffers["version"][ids].float()
     with contextlib.suppress(OSError):  # A dead acting process closed the pipe: next_message will say so.
         run.free_buffers.send(ids)
     return batch, data["step_message"], env_ids, lag  # The messages stay on the CPU, for np.unique.
@@ -761,14 +770,14 @@ def update_policy(run, batch, rewards):
     loss.backward()
     losses["grad_norm"] = nn.utils.clip_grad_norm_(run.agent.parameters(), run.args.max_grad_norm).item()
     run.optimizer.step()
-    run.counters["updates"] += 1
-    run.weights.push(run.agent, run.counters["updates"])
+    run.tally.counters["updates"] += 1
+    run.weights.push(run.agent, run.tally.counters["updates"])
     return losses
 
 
 def learned_steps(run) -> int:
     """Env steps learned from: what checkpoints, summary.json and --total-env-steps count."""
-    return run.counters["updates"] * run.args.batch_size
+    return run.tally.counters["updates"] * run.args.batch_size
 
 
 def end_acting(run):
@@ -784,9 +793,33 @@ def end_acting(run):
 # What the learner logs, checkpoints and reads back; finish, the last of train's steps, comes last.
 LLM_COUNTS = ("requests", "labels", "failures", "parse_failures", "dropped", "restarts")  # Summed in totals.
 PAY_WEIGHTS = ("pay_weight", "pay_weight_judged", "pay_weight_new")  # Of the rewards' statistics, summed too.
-KEYS = ("model", "args", "counters")  # The dicts in every checkpoint of oni_appo.py.
+CHECKPOINT_DICTS = ("model", "args", "counters")  # The dicts every checkpoint of oni_appo.py holds.
 CHECKPOINT_FORMAT = 1  # The layout of what save() writes: a change to it is a new number.
-SAFE = {str, int, float, bool, type(None), torch.Tensor}  # And dicts, lists, tuples: what weights_only reads.
+LOCK_FILE = "learner.lock"  # Held by the learner of a run dir (hold).
+LOADABLE = {str, int, float, bool, type(None), torch.Tensor}  # And dicts, lists, tuples: weights_only reads.
+
+
+def note_update(run, batch, paid, env_ids, lag, reward_stats, losses, times):
+    """An update's figures: each env's intrinsic sums, this session's sums (summary.json's means are over
+    steps, not over batches), the losses and times to log."""
+    tally, terminal = run.tally, batch["end"] == End.TERMINATED
+    add_intrinsic_episodes(tally.intrinsic_totals, tally.finished, paid, batch["end"], env_ids)
+    tally.sums.update(lag_sum=lag.sum().item(), lag_steps=lag.numel(), terminal_steps=terminal.sum().item(),
+                      terminal_paid=paid[terminal].sum().item(),
+                      **{k: reward_stats.pop(k) for k in PAY_WEIGHTS})
+    tally.sums["max_reward"] = max(tally.sums.get("max_reward", -math.inf), paid.max().item())
+    tally.losses = dict(losses, **run.intrinsic.train_stats(), time_intrinsic_s=times[1] - times[0],
+                        time_policy_s=time.perf_counter() - times[1])
+    tally.updates.append(dict(reward_stats, lag_mean=lag.mean().item(), lag_max=lag.max().item()))
+
+
+def log_and_save(run):  # Every 5 s a log, every --checkpoint-every-s a checkpoint.
+    if (now := time.time()) - run.tally.last_log > 5:
+        log_progress(run, join_episodes(run.tally.pending, run.tally.finished), now)
+        run.tally.last_log = now
+    if now - run.tally.last_checkpoint > run.args.checkpoint_every_s:
+        save(run)
+        run.tally.last_checkpoint = now
 
 
 def add_intrinsic_episodes(totals, finished, paid, end, env_ids):
@@ -834,9 +867,9 @@ def make_writer(args):  # Tensorboard's, in the run dir; with --track, wandb syn
 
 def log_progress(run, episodes, now):
     """Tensorboard's figures at the collected steps, episodes.jsonl and a line on the console."""
-    steps, writer = run.counters["collected_steps"], run.writer
-    sps = (steps - run.start_collected) / (now - run.start_time)
-    window = [run.updates.popleft() for _ in range(len(run.updates))]  # The updates since the last log.
+    steps, writer = run.tally.counters["collected_steps"], run.writer
+    sps = (steps - run.tally.start_collected) / (now - run.tally.start_time)
+    window = [run.tally.updates.popleft() for _ in range(len(run.tally.updates))]  # Since the last log.
     figures = {k: [u[k] for u in window if k in u] for k in {k for u in window for k in u}}
     figures = {k: max(v) if k.endswith("max") or k.startswith("max") else float(np.mean(v))
                for k, v in figures.items()}
@@ -846,8 +879,9 @@ def log_progress(run, episodes, now):
         llm = {**llm, **{k.removeprefix("llm_"): v for k, v in run_totals(run, llm).items()
                          if k.startswith("llm_")}}
     charts = {"SPS": sps, "policy_lag_mean": lag_mean, "policy_lag_max": lag_max,
-              "updates": run.counters["updates"]}
-    for prefix, values in (("charts", charts), ("losses", run.losses), ("intrinsic", figures), ("llm", llm)):
+              "updates": run.tally.counters["updates"]}
+    for prefix, values in (("charts", charts), ("losses", run.tally.losses), ("intrinsic", figures),
+                           ("llm", llm)):
         add_scalars(writer, prefix, values, steps)
     for e in episodes:
         add_scalars(writer, "charts", {"episodic_return": e["return"], "episodic_length": e["steps"]}, steps)
@@ -858,9 +892,9 @@ def log_progress(run, episodes, now):
     mean_return = f"{np.mean([e['return'] for e in episodes]):8.2f}" if episodes else "     n/a"
     labels = (f" | llm labels {llm.get('labels', 0):,} fail {llm.get('failures', 0):,} "
               f"backlog {llm.get('backlog', 0):,}") if llm else ""
-    print(f"steps {steps:>13,} | {sps:8,.0f} steps/s | episodes {run.counters['episodes']:>7,} | "
+    print(f"steps {steps:>13,} | {sps:8,.0f} steps/s | episodes {run.tally.counters['episodes']:>7,} | "
           f"return {mean_return} | lag {lag_mean:4.1f}/{lag_max:<3d} | "
-          f"updates {run.counters['updates']:,}{labels}", flush=True)
+          f"updates {run.tally.counters['updates']:,}{labels}", flush=True)
 
 
 def add_scalars(writer, prefix, values, step):
@@ -869,62 +903,91 @@ def add_scalars(writer, prefix, values, step):
             writer.add_scalar(f"{prefix}/{k}", v, step)
 
 
+def hold(run_dir):
+    """The run dir, made if need be and locked for this learner: a second one there would interleave its logs
+    and labels with this one's. The kernel frees the lock when this process dies, kill -9 too."""
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+        lock = open(os.path.join(run_dir, LOCK_FILE), "a+")
+    except OSError as error:
+        fail(f"cannot write to --run-dir {run_dir}: {error.strerror}")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        fail(f"--run-dir {run_dir} is in use by another learner ({lock.read().strip() or 'its pid unknown'})")
+    lock.truncate(0)
+    lock.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    lock.flush()
+    return lock
+
+
 def save(run):  # The checkpoint at the steps learned (a resume collects again the rest); returns the totals.
     totals = run_totals(run, run.client.stats() if run.client is not None else {})
-    counters = dict(learned_steps=learned_steps(run), updates=run.counters["updates"],
-                    episodes=run.counters["episodes"])
+    counters = dict(learned_steps=learned_steps(run), updates=run.tally.counters["updates"],
+                    episodes=run.tally.counters["episodes"])
     state = dict(format=CHECKPOINT_FORMAT, model=run.agent.state_dict(), optimizer=run.optimizer.state_dict(),
                  counters=counters, args=dataclasses.asdict(run.args), intrinsic=run.intrinsic.state_dict(),
-                 totals=totals, sessions=run.sessions)
+                 totals=totals, sessions=run.tally.sessions)
     write_checkpoint(state, os.path.join(run.args.run_dir, "checkpoint.pt"))
     return totals
 
 
 def run_totals(run, llm) -> dict:
     """The run's sums: the checkpoint's plus this session's (learner sums, time, steps learned, LLM's)."""
-    session = dict(run.sums, wall_time_s=time.time() - run.start_time,
-                   learned_steps=learned_steps(run) - run.start_learned,
+    session = dict(run.tally.sums, wall_time_s=time.time() - run.tally.start_time,
+                   learned_steps=learned_steps(run) - run.tally.start_learned,
                    **{f"llm_{k}": llm.get(k, 0) for k in LLM_COUNTS})
-    totals = {k: run.saved_totals.get(k, 0) + session.get(k, 0)
-              for k in {*run.saved_totals, *session} - {"max_reward"}}
-    totals["max_reward"] = max(run.saved_totals.get("max_reward", -math.inf),
-                               run.sums.get("max_reward", -math.inf))
+    totals = {k: run.tally.saved_totals.get(k, 0) + session.get(k, 0)
+              for k in {*run.tally.saved_totals, *session} - {"max_reward"}}
+    totals["max_reward"] = max(run.tally.saved_totals.get("max_reward", -math.inf),
+                               run.tally.sums.get("max_reward", -math.inf))
     return totals
 
 
 def write_checkpoint(state, path):
-    torch.save(plain(state), path + ".tmp")
-    os.replace(path + ".tmp", path)  # Never leave a half-written checkpoint.
+    try:
+        torch.save(loadable(state), path + ".tmp")
+        os.replace(path + ".tmp", path)  # Never leave a half-written checkpoint: the last whole one stays.
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(path + ".tmp")
+        raise
 
 
-def plain(value):
+def loadable(value):
     """value in the types torch.load(weights_only=True) reads, so that a checkpoint cannot run code."""
-    if type(value) in SAFE or isinstance(value, torch.Tensor):
+    if type(value) in LOADABLE or isinstance(value, torch.Tensor):
         return value
     if isinstance(value, np.ndarray):
         return torch.from_numpy(value)
     if isinstance(value, np.generic):
         return value.item()
-    if isinstance(value, dict):  # Kept whole when plain already: a module's state_dict keeps its _metadata.
-        if type(value) in (dict, collections.OrderedDict) and {*map(type, (*value, *value.values()))} <= SAFE:
+    if isinstance(value, dict):  # Kept whole when loadable: a module's state_dict keeps its _metadata.
+        if type(value) in (dict, collections.OrderedDict) and {*map(type, (*value, *value.values()))} <= \
+                LOADABLE:
             return value
-        return {plain(k): plain(v) for k, v in value.items()}
+        return {loadable(k): loadable(v) for k, v in value.items()}
     if isinstance(value, tuple | list):
-        if type(value) in (tuple, list) and {*map(type, value)} <= SAFE:  # Quick for the label table's texts.
+        if type(value) in (tuple, list) and {*map(type, value)} <= LOADABLE:  # Quick for the label texts.
             return value
-        return tuple(map(plain, value)) if isinstance(value, tuple) else list(map(plain, value))
+        return tuple(map(loadable, value)) if isinstance(value, tuple) else list(map(loadable, value))
     raise TypeError(f"a checkpoint cannot hold a {type(value).__name__}")
 
 
-def load_checkpoint(path, agent=None, trust=False):
-    """(file, checkpoint, Args) of a checkpoint or run dir, the policy into agent; trust: read_checkpoint."""
+def load_checkpoint(path, agent=None):
+    """(file, checkpoint, Args) of a checkpoint or run dir of this format, the policy into agent."""
     path = os.path.join(path, "checkpoint.pt") if os.path.isdir(path) else path
     if not os.path.isfile(path):
         fail(f"no checkpoint at {path}")
-    checkpoint = read_checkpoint(path, trust)
-    if not isinstance(checkpoint, dict) or not all(isinstance(checkpoint.get(k), dict) for k in KEYS):
+    checkpoint = read_checkpoint(path)
+    ours = isinstance(checkpoint, dict) and all(isinstance(checkpoint.get(k), dict) for k in CHECKPOINT_DICTS)
+    if not ours:
         fail(f"{path} is not a checkpoint of oni_appo.py")
-    known = {f.name for f in dataclasses.fields(Args)}  # A flag removed since (--eval) is dropped.
+    if checkpoint.get("format") != CHECKPOINT_FORMAT:
+        fail(f"{path} is a checkpoint of format {checkpoint.get('format', 'none')}; this code reads format "
+             f"{CHECKPOINT_FORMAT}: use the commit that wrote it (its summary.json's sessions name it)")
+    known = {f.name for f in dataclasses.fields(Args)}  # A flag this code does not know is dropped.
     saved = Args(**{k: v for k, v in checkpoint["args"].items() if k in known})
     try:
         if agent is not None:
@@ -934,25 +997,16 @@ def load_checkpoint(path, agent=None, trust=False):
     return path, checkpoint, saved
 
 
-def read_checkpoint(path, trust=False):
-    """The contents, read weights_only: a shared file cannot run code; one that needs pickle only if trust."""
+def read_checkpoint(path):
+    """The contents, read weights_only: a shared file cannot run code. One that needs pickle is refused."""
     try:
         with warnings.catch_warnings(action="ignore"):  # Torch's warning on pickles: the error says enough.
             return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:
-        if (unsafe := re.search(r"Unsupported global: GLOBAL (\S+)", str(error))) is None:
-            fail(f"cannot read checkpoint {path} (cut short, or not a checkpoint): {load_error(error)}")
-        if not trust:
-            fail(f"{path} needs pickle to load ({unsafe[1]}), which can run any code it holds; "
-                 "if you trust it (an older checkpoint of this project), load it once with "
-                 "--trust-checkpoint, which rewrites it in the safe format")
-    try:
-        checkpoint = plain(torch.load(path, map_location="cpu", weights_only=False))  # The flag trusts it.
-    except Exception as error:
-        fail(f"cannot read checkpoint {path} with pickle: {load_error(error)}")
-    write_checkpoint(checkpoint, path)
-    print(f"--trust-checkpoint: read {path} with pickle and rewrote it in the safe format", file=sys.stderr)
-    return checkpoint
+        if unsafe := re.search(r"Unsupported global: GLOBAL (\S+)", str(error)):
+            fail(f"{path} needs pickle to load ({unsafe[1]}), which can run any code it holds: it is no "
+                 "checkpoint oni_appo.py writes, and it is not loaded")
+        fail(f"cannot read checkpoint {path} (cut short, or not a checkpoint): {load_error(error)}")
 
 
 def load_error(error) -> str:
@@ -961,18 +1015,23 @@ def load_error(error) -> str:
     return ": ".join(filter(None, (type(error).__name__, re.split(r"(?<=\w)\. ", line)[0])))
 
 
-def resume(args, agent, optimizer, intrinsic, counters):
+def restore(args, agent, optimizer, intrinsic, counters):
     """Loads args.resume's checkpoint (policy, optimizer, reward, counters), the run's episodes and labels."""
     _, checkpoint, _ = load_checkpoint(args.resume, agent)
     optimizer.load_state_dict(checkpoint["optimizer"])
     saved = checkpoint["counters"]
-    # Collection restarts at the steps learned; older checkpoints call them env_steps.
-    steps = saved.get("learned_steps", saved.get("env_steps", 0))
-    counters.update(collected_steps=steps, updates=saved.get("updates", 0), episodes=saved.get("episodes", 0))
-    episodes = os.path.join(args.run_dir, "episodes.jsonl")
+    steps = saved["learned_steps"]  # Collection restarts at the steps learned.
+    counters.update(collected_steps=steps, updates=saved["updates"], episodes=saved["episodes"])
+    episodes, kept = os.path.join(args.run_dir, "episodes.jsonl"), []
     if os.path.exists(episodes):  # The steps after the checkpoint are played again, their episodes too.
         with open(episodes) as f:
-            kept = [e for e in f if e.endswith("\n") and json.loads(e).get("env_steps", 0) <= steps]
+            for n, line in enumerate(f, 1):
+                try:
+                    if line.endswith("\n") and json.loads(line)["env_steps"] <= steps:  # Else cut short.
+                        kept.append(line)
+                except (ValueError, KeyError, TypeError) as error:
+                    fail(f"{episodes} line {n} is not an episode record ({type(error).__name__}: {error}): "
+                         "mend or remove it, then --resume again")
         rewrite(episodes, kept)
         counters["episodes"] = len(kept)
     labels = os.path.join(args.run_dir, annotator.LABELS_FILE)
@@ -1015,18 +1074,19 @@ def git_state(root=os.path.dirname(os.path.abspath(__file__))):
 def finish(run):
     """The last log, checkpoint, messages.tsv and summary.json; a stop for a failure is a one-line error."""
     args = run.args
-    log_progress(run, join_episodes(run.pending, run.finished, final=True), time.time())
+    log_progress(run, join_episodes(run.tally.pending, run.tally.finished, final=True), time.time())
     llm = run.client.stats() if run.client is not None else {}
     if llm.get("model"):  # The model the server answered as, and where the embedded one was.
-        run.sessions[-1]["llm"].update(urls=run.client.urls, model=llm["model"])
+        run.tally.sessions[-1]["llm"].update(urls=run.client.urls, model=llm["model"])
     totals = save(run)  # Last, the client closed: final totals, and sessions' times sum to the run's.
     run.intrinsic.write_messages(os.path.join(args.run_dir, "messages.tsv"))
-    elapsed = totals["wall_time_s"] - run.saved_totals.get("wall_time_s", 0.0)
+    elapsed = totals["wall_time_s"] - run.tally.saved_totals.get("wall_time_s", 0.0)
     # The whole run's figures count the steps learned; the session_ ones this session's steps collected.
-    summary = {"env_steps": learned_steps(run), "updates": run.counters["updates"],
-               "episodes": run.counters["episodes"], "sps": totals["learned_steps"] / totals["wall_time_s"],
+    summary = {"env_steps": learned_steps(run), "updates": run.tally.counters["updates"],
+               "episodes": run.tally.counters["episodes"],
+               "sps": totals["learned_steps"] / totals["wall_time_s"],
                "wall_time_s": totals["wall_time_s"],
-               "session_sps": (run.counters["collected_steps"] - run.start_collected) / elapsed,
+               "session_sps": (run.tally.counters["collected_steps"] - run.tally.start_collected) / elapsed,
                "session_wall_time_s": elapsed,
                "policy_lag_mean": totals.get("lag_sum", 0.0) / max(totals.get("lag_steps", 0), 1),
                "intrinsic_max_reward": totals["max_reward"] if totals["max_reward"] > -math.inf else None,
@@ -1043,13 +1103,15 @@ def finish(run):
     for k in sorted(numbers):
         summary[f"mean_{k}"] = float(np.mean([e[k] for e in episodes if k in e]))
     summary["ends"] = dict(collections.Counter(e["end"] for e in episodes if "end" in e))  # how they ended
-    summary.update({"llm_labels": totals["llm_labels"], "llm_failures": totals["llm_failures"],
+    labels = os.path.join(args.run_dir, annotator.LABELS_FILE)  # A kill -9 loses the annotator's own counts.
+    summary.update({"llm_labels": len(annotator.read_labels(labels)) if os.path.exists(labels) else 0,
+                    "llm_failures": totals["llm_failures"],
                     "llm_parse_failures": totals["llm_parse_failures"],
                     "annotator_restarts": totals["llm_restarts"],
                     "llm_answers_restricted": llm.get("answers_restricted"),
-                    "llm_answers_scored": llm.get("answers_scored"), "sessions": run.sessions})
-    with open(os.path.join(args.run_dir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=1)
+                    "llm_answers_scored": llm.get("answers_scored"), "stopped_by": run.stopped_by,
+                    "sessions": run.tally.sessions})
+    rewrite(os.path.join(args.run_dir, "summary.json"), [json.dumps(summary, indent=1)])  # Drivers read it.
     run.writer.close()
     if run.failure:
         fail(f"{run.failure}; checkpoint saved, continue with --resume {args.run_dir}")
@@ -1058,5 +1120,15 @@ def finish(run):
     return summary
 
 
+def main():
+    """The command: one `error:` line for what the run could not write (what it saved stays whole), and the
+    exit code of the signal that stopped it (130 for Ctrl-C), so that a script tells a stop from an end."""
+    try:
+        summary = train(parse_args())
+    except OSError as error:  # A full disk, a read-only file system.
+        fail(f"cannot write {error.filename or 'to the run dir'}: {error.strerror or error}")
+    sys.exit(128 + summary["stopped_by"] if summary.get("stopped_by") else 0)
+
+
 if __name__ == "__main__":
-    train(parse_args())
+    main()

@@ -11,7 +11,8 @@ logp(" No") = `margins[caption]` (default +2 helpful, -2 not), unless `logprobs`
 llama.cpp without --logits_all) or "absent" (no log-probabilities in the answer). It records every call in `calls`; `delay` is a fixed latency
 of every (chat) completion, and `max_active` the most of them it answered at once. With a `key`, as llama.cpp
 and vLLM with theirs, it answers `key_status` (401) to any request without "Authorization: Bearer KEY";
-`authorizations` holds every request's Authorization header (None: none)."""
+`authorizations` holds every request's Authorization header (None: none). `redirects` maps a path to a URL
+that a request to it is redirected to (302)."""
 import json
 import os
 import re
@@ -42,7 +43,7 @@ class FakeOpenAI:
         self.logprobs, self.margins = "ok", {}
         self.requests, self.calls = 0, []  # requests: (chat) completions asked for
         self.active = self.max_active = 0  # (chat) completions being answered now; the most at once
-        self.key, self.key_status, self.authorizations = None, 401, []
+        self.key, self.key_status, self.authorizations, self.redirects = None, 401, [], {}
         self.lock = threading.Lock()
 
     @property
@@ -67,6 +68,12 @@ class FakeOpenAI:
             def refused(self):
                 with fake.lock:
                     fake.authorizations.append(self.headers.get("Authorization"))
+                if self.path in fake.redirects:
+                    self.send_response(302)
+                    self.send_header("Location", fake.redirects[self.path])
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return True
                 if fake.key is not None and self.headers.get("Authorization") != f"Bearer {fake.key}":
                     self.reply(fake.key_status, {"detail": "Invalid API key"})  # llama.cpp's answer
                     return True

@@ -227,7 +227,7 @@ def report(name, labeler, sets, threshold, measured=None, baselines=False, only=
         values, elapsed = (measured or {}).get((split, leave_out)) or scores(labeler, rows, leave_out)
         labels = to_labels(labeler, values, threshold)
         if labeler.style == "completion":  # known once the server has answered
-            name = name.split(", ")[0].rstrip(")") + (", score)" if labeler.scored else ", greedy Yes/No)")
+            name = name.split(", ")[0].rstrip(")") + (", score)" if labeler.wants_scores else ", greedy Yes/No)")
         print(f"on {set_name} ({len(rows)} messages, {sum(r.steps for r in rows):,} steps, pay weight "
               f"{sum(r.firsts for r in rows):,.0f}):\n" + line(name, rows, labels, elapsed), flush=True)
         if baselines and labeler.style == "completion":
@@ -255,24 +255,24 @@ def labeler_at(url, model, prompts=annotator.PROMPTS, scored=True, demos=None):
 
 
 def cost(rows):
-    """What log-probabilities cost (only Ranking asks for them): two embedded servers, one with --logits_all, one
-    thread each, asked each message in turn (the scored one first); the labels should be the same."""
-    servers = [llm_server.start(scored=scored, threads=1) for scored in (True, False)]
+    """What a score costs beside a label (Ranking's pairs compare scores): one embedded server, one thread, each
+    message asked for its label (one restricted greedy token), then its score (bisected on the same prompt, which
+    the server's cache holds); the two should fall on the same side of THRESHOLD."""
+    process, url = llm_server.start(threads=1)
     try:
-        labelers = [labeler_at(url, None, scored=scored) for (_, url), scored in zip(servers, (True, False))]
+        labelers = [labeler_at(url, None, scored=scored) for scored in (True, False)]
         seconds, same = [0.0, 0.0], 0
         for message, *_ in rows:  # (a Row)
-            labels = []
-            for i, labeler in enumerate(labelers):
-                started = time.perf_counter()
-                labels.append(labeler.ask(message))
-                seconds[i] += time.perf_counter() - started
-            same += labels[0] == labels[1]
+            started = time.perf_counter()
+            label = labelers[1].ask(message)
+            seconds[1] += (middle := time.perf_counter()) - started
+            score = labelers[0].score(annotator.as_asked(message), 0)
+            seconds[0] += time.perf_counter() - middle  # the bisections alone: the first probe is cached
+            same += score is not annotator.UNPARSEABLE and (score > annotator.THRESHOLD) == label
     finally:
-        for process, _ in servers:
-            llm_server.stop(process)
-    print(f"{len(rows)} test messages: score {seconds[0] / len(rows) * 1000:.0f} ms a label, greedy token "
-          f"{seconds[1] / len(rows) * 1000:.0f} ms ({seconds[0] / seconds[1]:.1f}x); the same label on {same}")
+        llm_server.stop(process)
+    print(f"{len(rows)} test messages: a label {seconds[1] / len(rows) * 1000:.0f} ms, its score's bisections "
+          f"{seconds[0] / len(rows) * 1000:.0f} ms more; the same side of THRESHOLD on {same}")
 
 
 def check_run(run_dir, sets):
@@ -324,7 +324,7 @@ def main():
     annotator.DEMOS_PER_LABEL = args.per_label
     if args.cost:
         return cost(sets["test"][:args.cost])
-    server, url = (None, args.llm_url) if args.llm_url else llm_server.start(scored=not args.greedy)
+    server, url = (None, args.llm_url) if args.llm_url else llm_server.start()
     try:
         try:
             demos = annotator.load_demos(args.demos)
@@ -346,10 +346,10 @@ def main():
         if server is not None:
             llm_server.stop(server)
     if args.baseline:  # after, on a server of its own, timed beside the labeler above
-        server, url = llm_server.start(scored=False)
+        server, url = llm_server.start()
         try:
             baseline = labeler_at(url, args.model, {**annotator.PROMPTS, "label_completion": BASELINE_PROMPT})
-            baseline.scored, annotator.THRESHOLD = False, 0.25  # the greedy token's bias then: No +0.25
+            baseline.wants_scores, annotator.THRESHOLD = False, 0.25  # the greedy token's bias then: No +0.25
             report("baseline (fixed prompt, greedy token)", baseline, sets, 0.25, only=args.sets)
         finally:
             llm_server.stop(server)

@@ -140,11 +140,11 @@ def measure(workers, envs_per_worker, batch_size, opts):
 
     def snapshot(run):
         acting = run.acting.pid
-        return np.array([time.perf_counter(), run.counters["collected_steps"], run.sums["lag_sum"], run.sums["lag_steps"],
+        return np.array([time.perf_counter(), run.tally.counters["collected_steps"], run.tally.sums["lag_sum"], run.tally.sums["lag_steps"],
                          time.process_time(), process_cpu_s(acting), sum(map(process_cpu_s, children(acting)))])
 
     def window(run):  # steady state: from --warmup seconds after the first update, for --seconds
-        while run.counters["updates"] < 1 and not run.stop.value:
+        while run.tally.counters["updates"] < 1 and not run.stop.value:
             time.sleep(0.05)
         time.sleep(opts["warmup"])
         first = snapshot(run)

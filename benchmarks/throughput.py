@@ -88,8 +88,8 @@ def collection_run(oni_argv):
     import oni_appo
 
     def no_update(run, batch, rewards):
-        run.counters["updates"] += 1
-        run.weights.push(run.agent, run.counters["updates"])  # the versions that the policy lag counts
+        run.tally.counters["updates"] += 1
+        run.weights.push(run.agent, run.tally.counters["updates"])  # the versions that the policy lag counts
         return {}
     oni_appo.act_process, oni_appo.update_policy = timed_act_process, no_update
     args = oni_appo.parse_args(oni_argv)

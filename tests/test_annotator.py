@@ -30,13 +30,14 @@ class Annotator:
     """`annotator.serve` in a thread, with a plain LabelTable and dict in place of the Manager's proxies."""
 
     def __init__(self, url, run_dir, known=(), timeout_s=5.0, model=None, prompts=annotator.PROMPTS, concurrency=4,
-                 scored=True, demos=None, share=1.0):
+                 scored=True, demos=None, share=1.0, server_pid=None):
         self.requests, self.stop = queue.Queue(), threading.Event()
         self.table, self.stats, self.concurrency = annotator.LabelTable(), {}, concurrency
         self.thread = threading.Thread(target=annotator.serve, daemon=True, kwargs=dict(
             urls=url if isinstance(url, list) else [url], model=model, prompts=prompts, concurrency=concurrency,
             run_dir=str(run_dir), known=set(known), requests=self.requests, table=self.table, stats=self.stats,
-            stop=self.stop, scored=scored, demos=demos, timeout_s=timeout_s, share=share))
+            stop=self.stop, scored=scored, demos=demos, timeout_s=timeout_s, share=share,
+            server_pid=server_pid))
         self.thread.start()
 
     @property
@@ -449,7 +450,7 @@ def test_ctrl_c_to_the_whole_process_group_saves_and_exits_cleanly(tmp_path):
     os.killpg(proc.pid, signal.SIGINT)
     out, err = proc.communicate(timeout=120)
     fake.stop()
-    assert proc.returncode == 0, err[-2000:]
+    assert proc.returncode == 130, err[-2000:]  # a stop, not an end (issue 45)
     assert "Traceback" not in err
     summary = json.load(open(run_dir / "summary.json"))
     assert summary["llm_labels"] > 0
@@ -922,3 +923,154 @@ def test_demos_come_from_a_tsv_or_a_runs_labels_and_a_bad_pool_is_a_one_line_err
             annotator.LabelClient(client_args(fake.url, demos=str(path)))
         assert str(error.value).startswith("error: --demos: ") and says in str(error.value)
         assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("where", ["same origin", "another port", "another host"])
+def test_the_key_does_not_follow_a_redirect_to_another_origin(monkeypatch, where):
+    """urllib keeps Authorization on a redirect, so a server could send the key anywhere: like OpenAI's client,
+    the Labeler (and llm_server.start's probe, the same opener) keeps it only for the same scheme, host and port."""
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test-key")
+    hop, other = FakeOpenAI().start(), FakeOpenAI().start()
+    target = {"same origin": hop.url, "another port": other.url,
+              "another host": hop.url.replace("127.0.0.1", "localhost")}[where]
+    hop.redirects["/v1/moved/models"] = f"{target}/models"
+    try:
+        labeler = annotator.Labeler([hop.url], None, annotator.PROMPTS, 5.0)
+        assert labeler.call(f"{hop.url}/moved/models")["data"][0]["id"] == "fake-base"  # it followed
+    finally:
+        hop.stop()
+        other.stop()
+    followed = other.authorizations if where == "another port" else hop.authorizations[1:]
+    assert hop.authorizations[0] == "Bearer sk-test-key"
+    assert followed == ["Bearer sk-test-key" if where == "same origin" else None]
+
+
+@pytest.mark.parametrize("flags, says", [
+    ({"llm_url": ["notaurl"]}, "--llm-url 'notaurl' is no http:// or https:// URL"),
+    ({"llm_url": ["localhost:8000"]}, "--llm-url 'localhost:8000' is no http"),
+    ({"llm_url": ["ftp://example.com/v1"]}, "--llm-url 'ftp://example.com/v1' is no http"),
+    ({"llm_url": ["file:///etc/passwd"]}, "--llm-url 'file:///etc/passwd' is no http"),
+    ({"llm_url": ["http://127.0.0.1:8000/v1", "http://:8000/v1"]}, "--llm-url 'http://:8000/v1' is no http"),
+    ({"llm_url": ["http://127.0.0.1:port/v1"]}, "--llm-url 'http://127.0.0.1:port/v1' is no http"),
+    ({"llm_concurrency": 0}, "--llm-concurrency must be at least 1, not 0"),
+    ({"llm_concurrency": -1}, "--llm-concurrency must be at least 1, not -1")])
+def test_malformed_llm_flags_are_one_line_errors_before_anything_starts(flags, says):
+    """Before, a URL that is no http(s) one was retried for the whole run as a server that is down (rc 0, no word),
+    --llm-concurrency 0 became 64 and -1 crashed the annotator five times."""
+    args = SimpleNamespace(**{**vars(client_args("http://127.0.0.1:8000/v1")), "llm_concurrency": None, **flags})
+    with pytest.raises(SystemExit) as error:
+        annotator.LabelClient(args)
+    assert str(error.value).startswith(f"error: {says}") and "\n" not in str(error.value)
+    annotator.check_llm_flags(["http://127.0.0.1:8000/v1", "https://api.example.com/v1", "http://[::1]:8000"], 1)
+
+
+def test_a_bad_labels_line_is_named_by_its_line_and_column_in_the_file(tmp_path):
+    """json names the line and column within the string it parses: line 41 was reported as "line 1 column 29"."""
+    path, good = tmp_path / annotator.LABELS_FILE, "".join(json.dumps({"caption": f"c{i}", "label": 1}) + "\n"
+                                                             for i in range(40))
+    path.write_text(good + '{"caption": "x", "label": 1,}\n' + good)
+    with pytest.raises(SystemExit, match=r"^error: cannot read labels from .*labels.jsonl: line 41 column 29: "
+                                         r"Expecting property name enclosed in double quotes$"):
+        annotator.read_labels(path)
+    path.write_text(good + "[" * 100_000 + "\n" + good)  # nested past Python's recursion limit: was a traceback
+    with pytest.raises(SystemExit, match=r"^error: cannot read labels from .*labels.jsonl: line 41: maximum recursion"):
+        annotator.read_labels(path)
+
+
+def test_a_bad_demonstration_row_names_its_line_and_what_is_wrong(tmp_path):
+    """A row short of a column was a bare IndexError; labels {2, 0} were reported as "all labelled 2" (or 0)."""
+    cases = {"message\tlabel\tsplit\nYou yawn.\t0\tdev\nYou slay the dragon!\t1\n": "line 3 has no split column",
+             "message\tlabel\nYou yawn.\t0\n\nYou slay the dragon!\n": "line 4 has no label column",  # a blank line 3
+             "message\tlabel\nYou yawn.\t0\nYou slay the dragon!\t2\n": "line 3: label '2' is not 0 or 1"}
+    for i, (text, says) in enumerate(cases.items()):
+        path = tmp_path / f"pool{i}.tsv"
+        path.write_text(text)
+        with pytest.raises(SystemExit) as error:
+            annotator.LabelClient(client_args(None, demos=str(path)))
+        assert str(error.value) == f"error: --demos: the demonstrations {path} {says}"
+
+
+def test_the_annotator_stops_in_one_line_when_the_learners_table_is_gone(tmp_path, capfd):
+    """kill -9 of the learner kills its Manager (die_with_parent); the annotator, whose next write to the label
+    table then fails, printed a traceback. It stops with one line and no traceback."""
+    fake = FakeOpenAI().start()
+    client = annotator.LabelClient(client_args(fake.url))
+    client.start(str(tmp_path), set())
+    try:
+        client.request(dict.fromkeys(CAPTIONS, 0.0), {})
+        deadline, records = time.time() + 60, []
+        while len(records) < len(CAPTIONS) and time.time() < deadline:  # the annotator is at work
+            records += client.new_records()
+            time.sleep(0.05)
+        os.kill(client.manager._process.pid, signal.SIGKILL)
+        client.process.join(timeout=30)
+        assert client.process.exitcode == 1
+    finally:
+        client.close()
+        fake.stop()
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and err == "annotator: the learner's label table is gone: stopping\n", err
+
+
+def test_the_embedded_server_gets_a_key_of_its_own_that_the_annotator_sends(tmp_path, monkeypatch):
+    """Without --llm-url nothing else uses the embedded server: it gets a key made for the run, so that another
+    local user gets HTTP 401 (with no OPENAI_API_KEY it answered anyone), and OPENAI_API_KEY, meant for the URLs
+    named on the command line, does not go to it."""
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-for-named-urls")
+    servers = []
+
+    def start(**kw):  # a fake in place of llama.cpp, behind the key it is given (no pid: no CPU time to read)
+        servers.append(FakeOpenAI().start())
+        servers[-1].key, servers[-1].pid = kw["key"], None
+        return servers[-1], servers[-1].url
+    monkeypatch.setattr(llm_server, "start", start)
+    monkeypatch.setattr(llm_server, "stop", lambda server: server.stop())
+    client = annotator.LabelClient(client_args(None))
+    client.start(str(tmp_path), set())
+    try:
+        (fake,) = servers
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(f"{fake.url}/models", timeout=10)
+        assert refused.value.code == 401
+        client.request(dict.fromkeys(CAPTIONS, 0.0), {})
+        deadline, records = time.time() + 60, []
+        while len(records) < len(CAPTIONS) and time.time() < deadline:
+            records += client.new_records()
+            time.sleep(0.05)
+        assert len(records) == len(CAPTIONS)
+    finally:
+        client.close()
+    assert len(fake.key) >= 32 and fake.key != "sk-for-named-urls"
+    assert set(fake.authorizations) == {None, f"Bearer {fake.key}"} and fake.authorizations.count(None) == 1
+
+
+def test_the_embedded_servers_share_is_counted_in_its_cpu_time(tmp_path, monkeypatch):
+    """Guards issue 44: under a training load a label takes ~4x the CPU time it takes on a quiet box, so a share
+    of wall time busy let the labeler take far less (or more) of the learner's cores than asked. The share is the
+    server process's CPU time (from /proc) over wall time: a server using a whole core is soon given no more."""
+    monkeypatch.setattr(annotator, "MAX_CREDIT_S", 1.0)  # a small credit: 0.1 s of work at share 0.1
+    fake = FakeOpenAI().start()
+    burner = subprocess.Popen([sys.executable, "-c", "while True: pass"])  # stands for a server busy on a core
+    try:
+        a = Annotator(fake.url, tmp_path, concurrency=1, share=0.1, server_pid=burner.pid)
+        a.send([f"You see here {i} gold pieces." for i in range(10_000)])
+        time.sleep(1.5)  # the credit spent: the burner takes far more than 0.1 of a core, even on a busy box
+        asked = fake.requests
+        time.sleep(2.0)
+        a.close()
+        assert asked > 0 and fake.requests - asked <= 1  # no new request while the server uses more than 0.25
+    finally:
+        burner.kill()
+        fake.stop()
+    assert annotator.cpu_seconds(os.getpid()) > 0 and annotator.cpu_seconds(2 ** 30) is None
+
+
+def test_a_pair_answered_free_while_it_waits_in_the_backlog_leaves_it():
+    """Guards a crash (review of issue 44): a pair sent again while queued, whose two messages other pairs had
+    scored meanwhile, was answered free but left in the backlog without its worth; peek() then raised KeyError
+    and killed the annotator (5 times, and the run)."""
+    backlog = annotator.Backlog()
+    backlog.put("p", ("You kill the newt!", "It's a wall."))
+    backlog.put("q", ("You kill the jackal!", "You see here a dart."), 1.0)
+    backlog.forget("p")  # settled while it waited
+    assert backlog.peek() == "q" and backlog.pop("q") and backlog.peek() is None and not backlog

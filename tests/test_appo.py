@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -344,7 +345,7 @@ def test_sigterm_saves_a_checkpoint_and_stops_the_workers(tmp_path, to_group):
         else:
             proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=120)
-        assert proc.returncode == 0 and "Traceback" not in err, err[-2000:]
+        assert proc.returncode == 128 + signal.SIGTERM and "Traceback" not in err, err[-2000:]  # a stop, not an end
         assert "restarting" not in err  # a stop is no crash: no annotator started again (it dies of the SIGTERM)
         assert os.path.exists(os.path.join(run_dir, "checkpoint.pt"))
         assert json.load(open(os.path.join(run_dir, "summary.json")))["env_steps"] > 0
@@ -375,9 +376,13 @@ def in_session(sid):
 @pytest.mark.parametrize("argv,message", [
     (["--task", "NoSuchTask-v0"], "error: unknown task 'NoSuchTask-v0'; known tasks: NetHackScoreExtendedActions-v1"),
     (["--reward-type", "bogus"], "error: unknown reward type 'bogus'; choose one of none, retrieval"),
-    (["--num-envs-per-worker", "3"], "error: need --num-workers, --rollout, --batch-size >= 1 and an even --num-envs-per"),
-    (["--batch-size", "0"], "error: need --num-workers, --rollout, --batch-size >= 1 and an even --num-envs-per-worker >= 2"),
-    (["--rollout", "0"], "error: need --num-workers, --rollout, --batch-size >= 1"),
+    (["--num-envs-per-worker", "3"], "error: need --num-workers, --rollout, --batch-size, --total-env-steps >= 1 and an even"),
+    (["--batch-size", "0"], "error: need --num-workers, --rollout, --batch-size, --total-env-steps >= 1 and an even"),
+    (["--rollout", "0"], "error: need --num-workers, --rollout, --batch-size, --total-env-steps >= 1"),
+    (["--total-env-steps", "0"], "error: need --num-workers, --rollout, --batch-size, --total-env-steps >= 1"),
+    (["--total-env-steps", "-5"], "error: need --num-workers, --rollout, --batch-size, --total-env-steps >= 1"),
+    (["--llm-concurrency", "0"], "error: --llm-concurrency must be at least 1, not 0"),
+    (["--llm-url", "localhost:8000"], "error: --llm-url 'localhost:8000' is no http:// or https:// URL"),
     (["--batch-size", "100"], "error: --batch-size (100) must be a multiple of"),
     (["--resume", "/nonexistent/run"], "error: no checkpoint at /nonexistent/run"),
     (["--device", "nonsense"], "error: cannot use device 'nonsense'"),
@@ -389,10 +394,82 @@ def in_session(sid):
     (["--llm-share", "1.5"], "error: need --max-episode-steps >= 1, --llm-threads >= 1, 0 < --reward-model-share"),
 ])
 def test_bad_flags_are_one_line_errors(argv, message, tmp_path):
-    result = run(argv + ["--total-env-steps", "1000", "--run-dir", str(tmp_path / "r")], timeout=120)
+    result = run(["--total-env-steps", "1000", "--run-dir", str(tmp_path / "r"), *argv], timeout=120)  # argv's last
     assert result.returncode != 0
     assert result.stderr.strip().startswith(message), result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+
+
+def test_a_run_dir_is_held_by_one_learner_and_freed_when_it_dies(tmp_path):
+    """Guards issue 45 item 2: two learners on one run dir both ran to the end, interleaving episodes.jsonl and
+    labels.jsonl. The second gets one line naming the holder; a holder killed with -9 frees the dir."""
+    run_dir = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", "import oni_appo, sys, time; lock = oni_appo.hold(sys.argv[1]); "
+                               "print('held', flush=True); time.sleep(600)", str(run_dir)],
+                              cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        second = run([*SMALL_RUN, "--total-env-steps", "1000", "--run-dir", str(run_dir)], timeout=120)
+        assert second.returncode != 0 and second.stderr.strip() == (
+            f"error: --run-dir {run_dir} is in use by another learner (pid {holder.pid} on {socket.gethostname()})")
+    finally:
+        holder.kill()
+        holder.wait()
+    lock = oni_appo.hold(str(run_dir))  # the kernel freed the lock of the killed process
+    lock.close()
+    (tmp_path / "file").write_text("")
+    bad = run([*SMALL_RUN, "--total-env-steps", "1000", "--run-dir", str(tmp_path / "file" / "run")], timeout=120)
+    assert bad.returncode != 0 and bad.stderr.startswith("error: cannot write to --run-dir") and len(
+        bad.stderr.strip().splitlines()) == 1
+
+
+def test_a_resume_sends_the_key_only_to_servers_named_on_its_command_line(tmp_path, monkeypatch, capsys):
+    """Guards issue 45 item 1: --resume took llm_url from the checkpoint, so resuming someone's run dir sent
+    OPENAI_API_KEY and every message to the server its author named."""
+    import dataclasses
+    path = str(tmp_path / "checkpoint.pt")
+    saved = oni_appo.Args(reward_type="ranking", llm_url=["http://elsewhere:9/v1"], run_dir=str(tmp_path))
+    torch.save({"format": 1, "model": {}, "counters": {}, "args": dataclasses.asdict(saved)}, path)
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-mine")
+    with pytest.raises(SystemExit, match="OPENAI_API_KEY goes only to servers named on this command line"):
+        oni_appo.parse_args(["--resume", path])
+    assert oni_appo.parse_args(["--resume", path, "--llm-url", "http://mine:8/v1"]).llm_url == ["http://mine:8/v1"]
+    monkeypatch.delenv("OPENAI_API_KEY")  # no key to lose: the saved server is asked, and the run says so
+    assert oni_appo.parse_args(["--resume", path]).llm_url == ["http://elsewhere:9/v1"]
+    assert "--resume: asking the run's --llm-url http://elsewhere:9/v1" in capsys.readouterr().err
+
+
+def test_ctrl_c_twice_still_saves_exits_130_and_a_garbage_episode_line_is_one_error_on_resume(tmp_path):
+    """Guards issue 45 item 4: a second Ctrl-C raised KeyboardInterrupt (46 lines, and the work since the last
+    checkpoint lost), an interrupted run exited 0 like a finished one, and a garbage line in episodes.jsonl
+    stopped a resume with a traceback."""
+    run_dir = str(tmp_path / "run")
+    proc = subprocess.Popen([sys.executable, "oni_appo.py", *SMALL_RUN, "--run-dir", run_dir], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stdout:
+            if "steps/s" in line:
+                break
+        proc.send_signal(signal.SIGINT)
+        for line in proc.stdout:  # the first is taken: a second, while it stops
+            if "stopping, saving a checkpoint" in line:
+                break
+        time.sleep(0.3)  # (two signals at once are one to Python)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and "Traceback" not in err, err[-2000:]
+    assert "signal 2: still stopping, saving a checkpoint" in out
+    assert os.path.exists(os.path.join(run_dir, "checkpoint.pt"))
+    episodes = os.path.join(run_dir, "episodes.jsonl")
+    with open(episodes, "a") as f:
+        f.write('{"return": 1.0, "steps"\n{"env_steps": 1}\n')
+    bad_line = len(open(episodes).readlines()) - 1
+    resumed = run(["--resume", run_dir, "--total-env-steps", "100000"], timeout=120)
+    assert resumed.returncode != 0 and resumed.stderr.startswith(
+        f"error: {episodes} line {bad_line} is not an episode record (JSONDecodeError") and len(
+        resumed.stderr.strip().splitlines()) == 1
 
 
 @pytest.mark.parametrize("files", [["episodes.jsonl", "labels.jsonl"], ["checkpoint.pt"]])
@@ -403,8 +480,8 @@ def test_a_fresh_start_into_an_earlier_runs_directory_is_refused(files, tmp_path
         (tmp_path / name).write_text("earlier\n")
     with pytest.raises(SystemExit) as stop:
         oni_appo.parse_args(["--run-dir", str(tmp_path)])
-    assert str(stop.value) == (f"error: --run-dir {tmp_path} holds a run ({', '.join(files)}): "
-                               "--resume it, or move them aside")
+    remedy = "--resume it, or move them aside" if "checkpoint.pt" in files else "move them aside"  # no resume
+    assert str(stop.value) == f"error: --run-dir {tmp_path} holds a run ({', '.join(files)}): {remedy}"
     assert all((tmp_path / name).read_text() == "earlier\n" for name in files)  # nothing touched
     assert oni_appo.parse_args(["--run-dir", str(tmp_path / "new")]).run_dir == str(tmp_path / "new")
 
@@ -419,7 +496,7 @@ def test_corrupt_and_mismatched_checkpoints_are_clear_errors(tmp_path):
     state = agent.state_dict()
     state["actor.weight"] = torch.zeros(5, 512)
     mismatched = tmp_path / "mismatched.pt"
-    torch.save({"model": state, "args": vars(oni_appo.Args()), "counters": {}}, mismatched)
+    torch.save({"format": 1, "model": state, "args": vars(oni_appo.Args()), "counters": {}}, mismatched)
     result = evaluate([str(mismatched)], timeout=120)
     assert result.returncode != 0 and "does not match this policy" in result.stderr
     assert "Traceback" not in result.stderr
@@ -745,7 +822,7 @@ def test_resume_takes_the_llm_flags_and_names_the_flags_it_ignores(tmp_path, cap
     import dataclasses
     path = str(tmp_path / "checkpoint.pt")
     saved = oni_appo.Args(reward_type="ranking", llm_model="wrong-model", run_dir=str(tmp_path))
-    torch.save({"model": {}, "counters": {}, "args": dataclasses.asdict(saved)}, path)
+    torch.save({"format": 1, "model": {}, "counters": {}, "args": dataclasses.asdict(saved)}, path)
     args = oni_appo.parse_args(["--resume", path, "--llm-model", "right-model", "--prompt-file", "fixed.json",
                                 "--lr", "0.5"])
     assert (args.llm_model, args.prompt_file, args.lr, args.reward_type) == ("right-model", "fixed.json", 1e-4, "ranking")
@@ -755,7 +832,7 @@ def test_resume_takes_the_llm_flags_and_names_the_flags_it_ignores(tmp_path, cap
         saved = dataclasses.asdict(oni_appo.Args(reward_type="ranking", reward_model_share=saved_share, run_dir=str(tmp_path)))
         if saved_share is None:  # a checkpoint from before the flag
             del saved["reward_model_share"]
-        torch.save({"model": {}, "counters": {}, "args": saved}, path)
+        torch.save({"format": 1, "model": {}, "counters": {}, "args": saved}, path)
         assert oni_appo.parse_args(["--resume", path, *argv]).reward_model_share == share, (saved_share, argv)
 
 
@@ -893,7 +970,7 @@ def test_a_reward_model_trainer_crash_saves_the_run_and_it_resumes_exactly(tmp_p
     def update_policy(run, batch, rewards):
         if "policy" not in seen:  # the first update
             seen["policy"] = copy.deepcopy((run.agent.state_dict(), run.optimizer.state_dict(),
-                                            dict(run.counters), run.start_collected))
+                                            dict(run.tally.counters), run.tally.start_collected))
             with torch.no_grad():  # acted on by the acting process with the weights it resumed from
                 logits, _ = run.agent.unroll(batch["obs"], batch["h0"], oni_appo.episode_cut(batch["end"]))
                 logp = torch.log_softmax(logits[:-1], -1).gather(-1, batch["action"][..., None]).squeeze(-1)
@@ -970,10 +1047,10 @@ def test_defaults_follow_the_device_and_a_resume_keeps_its_own(tmp_path, monkeyp
     mine = oni_appo.parse_args(["--device", "cuda", "--num-workers", "3", "--num-envs-per-worker", "8", "--batch-size", "128"])
     assert (mine.num_workers, mine.num_envs_per_worker, mine.batch_size) == (3, 8, 128)
     path = str(tmp_path / "checkpoint.pt")  # a run started on a CPU, resumed on a GPU: the same batches
-    torch.save({"model": {}, "counters": {}, "args": dataclasses.asdict(cpu)}, path)
+    torch.save({"format": 1, "model": {}, "counters": {}, "args": dataclasses.asdict(cpu)}, path)
     resumed = oni_appo.parse_args(["--resume", path, "--device", "cuda"])
     assert (resumed.num_envs_per_worker, resumed.batch_size) == (16, 1024)
-    with pytest.raises(SystemExit, match="need --num-workers, --rollout, --batch-size >= 1"):
+    with pytest.raises(SystemExit, match="need --num-workers, --rollout, --batch-size, --total-env-steps >= 1"):
         oni_appo.parse_args(["--device", "cuda", "--num-envs-per-worker", "0"])
 
 
@@ -984,7 +1061,7 @@ def test_resume_applies_every_flag_given_even_at_its_default(tmp_path, capsys):
     path = str(tmp_path / "checkpoint.pt")
     saved = oni_appo.Args(reward_type="ranking", num_workers=16, total_env_steps=500_000, llm_url=["http://gpu:8000/v1"],
                           reward_model_share=0.5, run_dir=str(tmp_path))
-    torch.save({"model": {}, "counters": {}, "args": dataclasses.asdict(saved)}, path)
+    torch.save({"format": 1, "model": {}, "counters": {}, "args": dataclasses.asdict(saved)}, path)
     defaults = oni_appo.parse_args(["--device", "cpu"])  # the defaults as resolved on this machine
     kept = oni_appo.parse_args(["--resume", path])  # nothing given: the saved values
     assert (kept.num_workers, kept.total_env_steps, kept.llm_url, kept.reward_model_share) == (16, 500_000, ["http://gpu:8000/v1"], 0.5)
@@ -1027,3 +1104,22 @@ def test_inference_from_cuda_graphs_equals_eager_inference_after_weight_updates(
             fast, eager = [t.clone() for t in acting.fast_step(obs, h)], acting.step(obs, h)
         assert all(torch.equal(a, b) for a, b in zip(fast, eager))
     assert sorted(acting.graphs) == [8, 24]
+
+
+def test_the_acting_process_samples_actions_with_the_policys_probabilities(monkeypatch):
+    """The learner's log-prob checks recompute whatever act() picked, so a draw that ignored the policy's
+    probabilities passed them all: a seeded chi-square test of act()'s actions against a known distribution."""
+    args = SimpleNamespace(seed=1, device="cpu", num_workers=1, num_envs_per_worker=64)  # 2 slots of 32 envs
+    agent = oni_appo.Agent()
+    actor = oni_appo.Actor(args, oni_appo.make_buffers(2, 1, 32), oni_appo.SharedWeights(agent, 0), None, None,
+                           None, 0)
+    logits = torch.linspace(0.0, -4.0, agent.actor.out_features)  # probabilities from ~0.2 to ~0.004
+    monkeypatch.setattr(actor.agent, "fast_step", lambda obs, h: (logits.expand(len(h), -1), None, h))
+    counts, conn = np.zeros(len(logits)), SimpleNamespace(send=lambda message: None)
+    for _ in range(200):  # 12,800 actions
+        actor.slot_t = [0, 0]
+        oni_appo.act(actor, [conn], [0, 1])
+        counts += np.bincount(actor.arrays["action"][:, 0].ravel(), minlength=len(logits))
+    expected = counts.sum() * logits.softmax(0).numpy()
+    chi2, dof = ((counts - expected) ** 2 / expected).sum(), len(logits) - 1
+    assert chi2 < dof + 6 * np.sqrt(2 * dof), chi2  # p ~ 1e-5 for the right distribution; a wrong one: thousands

@@ -1,5 +1,5 @@
 """Checkpoints hold only what torch.load(weights_only=True) reads, so that loading a shared one cannot run code;
-one that needs pickle loads only with --trust-checkpoint, which rewrites it safe; bad files are one-line errors."""
+one that needs pickle, or of another format, is refused; bad files are one-line errors."""
 import collections
 import dataclasses
 import json
@@ -42,13 +42,14 @@ def saved_run(tmp_path, reward_type):
     intrinsic.add_labels(labels(reward_type))
     for _ in range(3):
         intrinsic.rewards(*steps_of(STEPS))
-        intrinsic.label_requests()
+        intrinsic.requests.label_requests()
     if reward_type in ("classification", "ranking"):
         assert intrinsic.piece.train_now(2, batch_size=8) == 2
+    tally = SimpleNamespace(counters={"collected_steps": 640, "updates": 2, "episodes": 1}, saved_totals={},
+                            sums=collections.Counter(max_reward=0.5), start_time=time.time(), start_learned=0,
+                            sessions=[oni_appo.run_record(args)])
     return SimpleNamespace(args=args, agent=agent, optimizer=optimizer, intrinsic=intrinsic, client=None,
-                           counters={"collected_steps": 640, "updates": 2, "episodes": 1}, saved_totals={},
-                           sums=collections.Counter(max_reward=0.5), start_time=time.time(), start_learned=0,
-                           sessions=[oni_appo.run_record(args)])
+                           tally=tally)
 
 
 def labels(reward_type):
@@ -57,21 +58,12 @@ def labels(reward_type):
     return [{"caption": t, "label": label} for t, *_, label in LABELLED]
 
 
-OLD_COUNTERS = {"env_steps": 512, "updates": 2, "episodes": 1}  # env_steps: the steps learned
-
-
-def old_checkpoint(run, path):
-    """A checkpoint as oni_appo.save wrote it before this change: the state as it is, numpy arrays and all."""
-    torch.save(dict(model=run.agent.state_dict(), optimizer=run.optimizer.state_dict(), counters=OLD_COUNTERS,
-                    args=dataclasses.asdict(run.args), intrinsic=run.intrinsic.state_dict(), totals={}), path)
-
-
 def resumed_state(run, checkpoint):
     """The reward model's state after a resume from checkpoint["intrinsic"], as set_up() does it."""
     intrinsic = rm.IntrinsicReward(run.args, "cpu")
     intrinsic.add_labels(labels(run.args.reward_type))
     intrinsic.load_state_dict(checkpoint["intrinsic"])
-    return oni_appo.plain(intrinsic.state_dict())
+    return oni_appo.loadable(intrinsic.state_dict())
 
 
 def assert_same(a, b, where="state"):
@@ -109,31 +101,24 @@ def test_a_checkpoint_whose_pickle_would_run_code_is_refused_and_runs_none(tmp_p
                  lambda: evaluate.evaluate(evaluate.Args(str(path), device="cpu")),
                  lambda: learning_curves.random_games(str(path.parent))):
         message = refusal(load)
-        assert f"{path} needs pickle to load (io.open)" in message and "--trust-checkpoint" in message, message
+        assert f"{path} needs pickle to load (io.open)" in message and "it is not loaded" in message, message
         assert not marker.exists()
 
 
-def test_an_old_checkpoint_loads_only_with_the_flag_and_is_then_saved_safe(tmp_path, monkeypatch, capsys):
-    run = saved_run(tmp_path, "classification")
+def test_a_checkpoint_of_another_format_is_refused_in_one_line_that_names_the_way_back(tmp_path):
+    """Guards issue 46 item 3: the loaders carried branches for three past layouts; a checkpoint now says its
+    format, and any other (or none) is refused before anything reads it."""
+    run = saved_run(tmp_path, "retrieval")
+    oni_appo.save(run)
     path = tmp_path / "checkpoint.pt"
-    old_checkpoint(run, path)
-    old = path.read_bytes()
-    for load in (lambda: oni_appo.load_checkpoint(str(path)), lambda: oni_appo.parse_args(["--resume", str(path)])):
-        assert "needs pickle to load (numpy." in refusal(load)
-    assert path.read_bytes() == old  # refused: not rewritten either
-
-    args = oni_appo.parse_args(["--resume", str(path), "--trust-checkpoint"])
-    assert args.reward_type == "classification" and "rewrote it in the safe format" in capsys.readouterr().err
-    safe = torch.load(path, weights_only=True)
-    assert_same(resumed_state(run, safe), oni_appo.plain(run.intrinsic.state_dict()))
-    assert oni_appo.load_checkpoint(str(path))[1]["counters"] == OLD_COUNTERS  # no flag needed any more
-
-    old_checkpoint(run, path)  # evaluate.py takes the flag too
-    loaded = []
-    monkeypatch.setattr(evaluate, "load_checkpoint", lambda *a: loaded.append(oni_appo.load_checkpoint(*a)) or 1 / 0)
-    with pytest.raises(ZeroDivisionError):  # stopped once loaded: no game played
-        evaluate.evaluate(evaluate.Args(str(path), device="cpu", trust_checkpoint=True))
-    assert loaded and torch.load(path, weights_only=True)["counters"] == OLD_COUNTERS
+    checkpoint = torch.load(path, weights_only=True)
+    assert checkpoint["format"] == oni_appo.CHECKPOINT_FORMAT
+    for form in (None, oni_appo.CHECKPOINT_FORMAT + 1):
+        torch.save({k: v for k, v in checkpoint.items() if k != "format"} | ({"format": form} if form else {}), path)
+        for load in (lambda: oni_appo.load_checkpoint(str(path)), lambda: oni_appo.parse_args(["--resume", str(path)])):
+            assert refusal(load) == (f"error: {path} is a checkpoint of format {form or 'none'}; this code reads "
+                                     f"format {oni_appo.CHECKPOINT_FORMAT}: use the commit that wrote it (its "
+                                     "summary.json's sessions name it)")
 
 
 @pytest.mark.parametrize("reward_type", ["retrieval", "classification", "ranking"])
@@ -149,20 +134,16 @@ def test_a_saved_checkpoint_loads_safely_and_resumes_as_the_state_itself(tmp_pat
     assert_same(checkpoint["optimizer"], run.optimizer.state_dict())
     assert_same(resumed_state(run, checkpoint), resumed_state(run, in_memory))
     assert checkpoint["intrinsic"]["seen"][0] and isinstance(checkpoint["intrinsic"]["seen"][1], torch.Tensor)
-    assert oni_appo.plain({"n": np.float64(0.5), "c": collections.Counter(a=1)}) == {"n": 0.5, "c": {"a": 1}}
+    assert oni_appo.loadable({"n": np.float64(0.5), "c": collections.Counter(a=1)}) == {"n": 0.5, "c": {"a": 1}}
 
 
-def test_a_checkpoint_counts_the_steps_learned_and_one_that_calls_them_env_steps_resumes_there(tmp_path, capsys):
-    """A checkpoint holds the steps learned, not the ones collected ahead of them; checkpoints written before the two
-    were counted apart call them env_steps. A resume of either collects again from there and keeps the episodes
-    that ended up to there."""
+def test_a_checkpoint_counts_the_steps_learned_and_a_resume_collects_again_from_there(tmp_path, capsys):
+    """A checkpoint holds the steps learned, not the ones collected ahead of them. A resume collects again from
+    there and keeps the episodes that ended up to there."""
     run = saved_run(tmp_path, "retrieval")  # 512 steps learned (2 updates of 256), 640 collected
     oni_appo.save(run)
     path = tmp_path / "checkpoint.pt"
-    checkpoint = torch.load(path, weights_only=True)
-    assert checkpoint["counters"] == {"learned_steps": 512, "updates": 2, "episodes": 1}
-    checkpoint["counters"] = {"env_steps": checkpoint["counters"].pop("learned_steps"), **checkpoint["counters"]}
-    torch.save(checkpoint, path)
+    assert torch.load(path, weights_only=True)["counters"] == {"learned_steps": 512, "updates": 2, "episodes": 1}
     (tmp_path / "episodes.jsonl").write_text("".join(json.dumps({"return": 0.0, "env_steps": s}) + "\n"
                                                      for s in (100, 512, 600)))
     args = dataclasses.replace(run.args, resume=str(path))
@@ -170,8 +151,8 @@ def test_a_checkpoint_counts_the_steps_learned_and_one_that_calls_them_env_steps
     intrinsic = rm.IntrinsicReward(args, "cpu")
     intrinsic.add_labels(labels(args.reward_type))
     counters = {"collected_steps": 0, "updates": 0, "episodes": 0}
-    oni_appo.resume(args, agent, torch.optim.Adam(agent.parameters(), lr=1e-4), intrinsic, counters)
-    assert counters == {"collected_steps": 512, "updates": 2, "episodes": 2}
+    oni_appo.restore(args, agent, torch.optim.Adam(agent.parameters(), lr=1e-4), intrinsic, counters)
+    assert counters == {"collected_steps": 512, "updates": 2, "episodes": 2}  # those kept
     assert f"resumed from {path} at 512 env steps" in capsys.readouterr().out
     assert [json.loads(e)["env_steps"] for e in open(tmp_path / "episodes.jsonl")] == [100, 512]
 
@@ -186,7 +167,7 @@ def test_a_truncated_or_foreign_file_is_a_one_line_error(tmp_path, recwarn):
         (tmp_path / name).write_bytes(data)
     np.save(tmp_path / "array.npy", np.zeros(3))
     torch.save(run.agent.state_dict(), tmp_path / "weights.pt")  # a bare state_dict, as other projects save
-    torch.save({"model": {}, "args": ["--seed", "1"], "counters": {}}, tmp_path / "other.pt")  # our keys, not ours
+    torch.save({"format": 1, "model": {}, "args": ["--seed", "1"], "counters": {}}, tmp_path / "other.pt")  # not ours
     for name in ("weights.pt", "other.pt"):  # other.pt: an AttributeError and its traceback
         assert refusal(lambda: oni_appo.load_checkpoint(str(tmp_path / name))) == (
             f"error: {tmp_path / name} is not a checkpoint of oni_appo.py")

@@ -3,11 +3,13 @@ each step's screen after that step and what the learner would pay (both recomput
 by NLE and the project's reward code), opens in a real headless chromium, and NLE's ttyrec reader reads NLE's
 recording, every step's screen among its frames. Recording changes no action."""
 import dataclasses
+import errno
 import json
 import os
 import re
 import shutil
 import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -26,7 +28,8 @@ SMITTEN = "Suddenly, a bolt of lightning strikes you!  You fry to a crisp!"  # t
 
 def save_run(run_dir, args, agent, labels=()):
     """A run dir as oni_appo.py leaves it: the checkpoint and the LLM's labels."""
-    torch.save({"model": agent.state_dict(), "args": dataclasses.asdict(args), "counters": {}}, run_dir / "checkpoint.pt")
+    torch.save({"format": 1, "model": agent.state_dict(), "args": dataclasses.asdict(args), "counters": {}},
+               run_dir / "checkpoint.pt")
     (run_dir / "labels.jsonl").write_text("".join(json.dumps({"caption": c, "label": 1}) + "\n" for c in labels))
     return str(run_dir)
 
@@ -236,3 +239,80 @@ def test_each_episode_starts_from_a_fresh_state_and_reports_its_own_statistics(t
     assert [len(h) for h in states] == [16] * 6 + [2] * 6 and all(g["steps"] == 6 for g in games)
     assert not states[0].any() and not states[6].any(), states[6].abs().sum()
     assert all(states[t].abs().sum(-1).min() > 0 for t in (1, 5, 7, 11))  # within an episode it goes on
+
+
+class Played:
+    """An env of envs.make_env that keeps the actions it is given, a list per env in `played`."""
+    def __init__(self, env, played):
+        self.env, self.actions = env, []
+        played.append(self.actions)
+
+    def reset(self):
+        return self.env.reset()
+
+    def step(self, action):
+        self.actions.append(int(action))
+        return self.env.step(action)
+
+    def close(self):
+        self.env.close()
+
+
+def test_random_plays_uniform_draws_that_do_not_depend_on_the_policy(tmp_path, monkeypatch):
+    """Every "x random" column rests on --random. Untrained policies are near uniform, so the test above passes
+    with --random playing the policy: here two policies sure of different actions must play, with --random, the
+    very actions a uniform policy draws from the same stream, and without it their own."""
+    args, played, real_make = oni_appo.Args(reward_type="none", max_episode_steps=STEPS, seed=SEED), [], envs.make_env
+    monkeypatch.setattr(envs, "make_env", lambda *a, **kw: Played(real_make(*a, **kw), played))
+
+    def actions(sure_of, random):  # one episode's actions of a policy sure of one action (None: uniform)
+        agent, run_dir = oni_appo.Agent(), tmp_path / f"{sure_of}_{random}"
+        with torch.no_grad():
+            agent.actor.weight.zero_()
+            agent.actor.bias.zero_()
+            if sure_of is not None:
+                agent.actor.bias[sure_of] = 50.0
+        os.makedirs(run_dir)
+        evaluate.evaluate(evaluate.Args(save_run(run_dir, args, agent), episodes=1, random=random, device="cpu"))
+        return played[-1]
+    uniform = actions(None, False)
+    assert actions(3, True) == actions(7, True) == uniform and len(set(uniform)) > 5
+    assert set(actions(3, False)) == {3}  # the policy itself plays its own
+
+
+def read_only(path):
+    """A command prefix that runs a command with path read-only: root ignores modes, so a read-only bind mount in
+    a mount namespace of its own (skipped where there is none); other users get mode 0o555."""
+    if os.geteuid():
+        os.chmod(path, 0o555)
+        return []
+    prefix = ["unshare", "-rm", "sh", "-c", 'mount --bind -o ro "$0" "$0" && exec "$@"', str(path)]
+    if not shutil.which("unshare") or subprocess.run([*prefix, "true"], capture_output=True).returncode:
+        pytest.skip("root, and no mount namespace to make a directory read-only in")
+    return prefix
+
+
+def test_an_unwritable_run_dir_is_one_line_before_any_episode_is_played(tmp_path):
+    """evaluate.py played every episode, then failed to write eval.json with a traceback."""
+    args = oni_appo.Args(reward_type="none", max_episode_steps=STEPS, seed=SEED)
+    run_dir = save_run(tmp_path, args, oni_appo.Agent())
+    done = subprocess.run([*read_only(tmp_path), sys.executable, os.path.abspath(evaluate.__file__), run_dir,
+                           "--episodes", "1", "--device", "cpu"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and "episodes of" not in done.stdout, done.stdout  # none was played
+    said = rf"error: cannot write {re.escape(run_dir)}/eval.json: (Read-only file system|Permission denied)\n"
+    assert re.fullmatch(said, done.stderr), done.stderr
+
+
+def test_eval_json_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
+    """A disk that fills while eval.json is written left it cut short, for a driver to read, and a traceback."""
+    run_dir = save_run(tmp_path, oni_appo.Args(reward_type="none", max_episode_steps=6, seed=SEED), oni_appo.Agent())
+    (tmp_path / "eval.json").write_text('{"earlier": true}')
+
+    def dump(value, f, **kwargs):  # half of it, then the disk is full
+        f.write(json.dumps(value)[:100])
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(evaluate.json, "dump", dump)
+    with pytest.raises(SystemExit, match=rf"^error: cannot write .*/eval.json: {os.strerror(errno.ENOSPC)}$"):
+        evaluate.evaluate(evaluate.Args(run_dir, episodes=1, device="cpu"))
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint.pt", "eval.json", "labels.jsonl"]  # no partial file
+    assert json.loads((tmp_path / "eval.json").read_text()) == {"earlier": True}

@@ -17,7 +17,6 @@ import annotator
 import envs
 import llm_server
 import reward_models as rm
-from benchmarks import runs
 
 MONSTERS = ["newt", "jackal", "grid bug", "lichen", "kobold", "gnome", "sewer rat", "fox",
             "goblin", "acid blob", "yellow mold", "hill orc", "dwarf", "giant rat", "gecko", "homunculus"]
@@ -114,8 +113,6 @@ def test_ranking_reward_is_a_step_weighted_z_score_paid_above_its_bar():
     assert norm(torch.tensor([1.0])).item() == rm.RANKING_CLIP
     norm.fit(values, torch.ones(8), median=True)  # offline Motif's rule: above the weighted median (3)
     torch.testing.assert_close(norm(values), torch.where(values > 3.0, standardized, torch.zeros(8)))
-    old = rm.RankingNorm(mean=3.5, std=2.0, median=5.0)  # the statistics of a checkpoint before the floor
-    assert old(torch.tensor([5.0, 6.0])).tolist() == [0.0, 1.25]
     torch.manual_seed(0)
     model = rm.IntrinsicReward(make_args(reward_type="ranking"), "cpu")
     model.add_labels([{"pair": ["a", "b"], "preference": 1}])
@@ -157,7 +154,7 @@ def test_messages_tsv_counts_steps_and_what_each_message_paid(tmp_path):
                         ["It's a wall.", "2", "0", "0.0000", "0.0000", "2.0000"]]
 
 
-def test_message_counts_hold_no_object_the_garbage_collector_walks_and_old_checkpoints_load(tmp_path):
+def test_message_counts_hold_no_object_the_garbage_collector_walks():
     """Guards: a [steps, paid] list a message made every full GC pass walk 1e6 lists at paper scale (0.2-0.3 s pauses
     of the learner); the counts are now two dicts of numbers: a new message adds no object the collector tracks."""
     import gc
@@ -176,34 +173,16 @@ def test_message_counts_hold_no_object_the_garbage_collector_walks_and_old_check
     for text in many:
         del model.seen[text], model.paid[text], model.firsts[text]
     assert model.seen == {t: 1 for t in texts} and model.paid == {"You kill the newt!": 1.0, "It's a wall.": 0.0, "": 0.0}
-    model.write_messages(tmp_path / "now.tsv")
     state = model.state_dict()
     assert isinstance(state["seen"][1], np.ndarray)  # arrays: a tenth of the objects to pickle
-    state["seen"] = {t: [model.seen[t], model.paid[t]] for t in model.seen}  # a checkpoint from before 2026-11-25
-    old = rm.IntrinsicReward(make_args(reward_type="retrieval", intrinsic_coef=1.0, extrinsic_coef=0.0), "cpu")
-    old.add_labels([{"caption": "You kill the newt!", "label": 1}])
-    old.load_state_dict(state)
-    old.write_messages(tmp_path / "old.tsv")
-    rows = lambda name: [line.split("\t") for line in (tmp_path / name).read_text().splitlines()]
-    # the same steps and pay; the pay weights (firsts), which old checkpoints lack, count from the resume on
-    assert [row[:5] for row in rows("old.tsv")] == [row[:5] for row in rows("now.tsv")]
-    assert [row[5] for row in rows("old.tsv")[1:]] == ["0.0000"] * 3
-    # ...and say so, in every later session too: a reader then estimates them rather than take them as exact
-    again = rm.IntrinsicReward(make_args(reward_type="retrieval", intrinsic_coef=1.0, extrinsic_coef=0.0), "cpu")
-    again.load_state_dict(old.state_dict())
-    for name, model in (("new", model), ("old", old), ("again", again)):
-        (tmp_path / name).mkdir()
-        model.write_messages(tmp_path / name / "messages.tsv")
-        (tmp_path / name / "summary.json").write_text('{"episodes": 1}')
-    assert rows("old.tsv")[0][5] == "firsts_since_resume" and rows("now.tsv")[0][5] == "firsts"
-    assert [runs.read_messages(tmp_path / name)[1] for name in ("new", "old", "again")] == [True, False, False]
 
 
 def test_a_labelled_caption_answered_unparseable_later_is_not_asked_again():
     model = rm.IntrinsicReward(make_args(reward_type="retrieval"), "cpu")
     model.add_labels([{"caption": "You kill the newt!", "label": 1}, {"caption": "You kill the newt!", "label": None},
                       {"caption": "It's a wall.", "label": None}])
-    assert model.piece.labels == {"You kill the newt!": 1.0} and list(model.asked) == ["It's a wall."]
+    assert model.piece.labels == {"You kill the newt!": 1.0}
+    assert list(model.requests.asked) == ["It's a wall."]
 
 
 def test_resume_reloads_labels_without_asking_again(tmp_path, monkeypatch):
@@ -225,7 +204,7 @@ def test_resume_reloads_labels_without_asking_again(tmp_path, monkeypatch):
     model.rewards(torch.zeros(2, 1), rm.to_rows(["You kill the newt!", "It's a wall."]).view(2, 1, 256),
                   torch.ones(2, 1, dtype=torch.int32), torch.zeros(2, 1, dtype=torch.bool))
     # the labelled caption is not asked again; the other goes with its pay weight over the run, resumes included
-    assert model.label_requests() == ({"It's a wall.": 2.0}, {})
+    assert model.requests.label_requests() == ({"It's a wall.": 2.0}, {})
     # a trained model: the labels given back before its checkpoint are not new, and owe no training
     monkeypatch.setattr(rm, "BURST", 2)
     pairs = [{"pair": [f"The {m} bites!", f"You kill the {m}!"], "preference": 2} for m in MONSTERS]
@@ -269,7 +248,7 @@ def test_real_nle_messages_are_labelled_by_the_embedded_server_and_reach_the_lea
         counts = torch.ones(len(messages), 1, dtype=torch.int32)
         ended = torch.zeros(len(messages), 1, dtype=torch.bool)
         model.rewards(torch.zeros(len(messages), 1), rows, counts, ended)
-        client.request(*model.label_requests())  # asks the LLM
+        client.request(*model.requests.label_requests())  # asks the LLM
         deadline = time.time() + 180
         while len(model.piece.labels) < len(messages) and time.time() < deadline:
             time.sleep(0.5)
@@ -291,21 +270,22 @@ def test_ranking_pairs_are_answered_by_the_embedded_server_with_a_real_preferenc
     answers ranks it higher."""
     kill, wall, gold = "You kill the newt!", "It's a wall.", "You see here 5 gold pieces."  # 3 scores of ~5 s
     model = rm.IntrinsicReward(make_args(reward_type="ranking"), "cpu")
+    requests = model.requests  # what the LLM is asked
     client = annotator.LabelClient(model.args)
     client.start(str(tmp_path), known=model.known_keys())  # no --llm-url: the embedded llama.cpp server
     try:
         for pool in ([kill, wall], [wall, gold]):  # one pair each, drawn 8 times: asked once
-            model.pair_pool, model.batches_to_pair = pool, 1
-            captions, pairs = model.label_requests()
+            requests.pair_pool, requests.batches_to_pair = pool, 1
+            captions, pairs = requests.label_requests()
             assert captions == {} and len(pairs) == 1
             client.request(captions, pairs)
         deadline = time.time() + 300
-        while model.waiting and time.time() < deadline:
+        while requests.waiting and time.time() < deadline:
             time.sleep(0.5)
             model.add_labels(client.new_records())
     finally:
         client.close()
-    assert not model.waiting and client.stats()["answers_scored"] == 0  # scores by bisection: llama.cpp's
+    assert not requests.waiting and client.stats()["answers_scored"] == 0  # scores by bisection: llama.cpp's
     # log-probabilities cost ~7 labels a score
     helpful = {kill, gold}
     trained = model.piece.pairs
@@ -323,6 +303,8 @@ def test_llm_server_commands_and_errors(tmp_path, monkeypatch):
     cmd = llm_server.build_command("llama_cpp", None, "127.0.0.1", 8123, threads=2)
     assert cmd[1:3] == ["-m", "llama_cpp.server"] and cmd[cmd.index("--port") + 1] == "8123"
     assert cmd[cmd.index("--model") + 1].endswith(".gguf")
+    # Its server's default computes every prompt token's logits over Gemma's 262k words: a label cost 2.5x (issue 44).
+    assert cmd[cmd.index("--logits_all") + 1] == "false"
     with pytest.raises(SystemExit, match="model file /nope.gguf does not exist"):
         llm_server.build_command("llama_cpp", "/nope.gguf", "127.0.0.1", 1)
     with pytest.raises(SystemExit, match="unknown backend"):
@@ -352,7 +334,7 @@ def test_motif_trains_offline_from_pairs_then_stays_frozen(tmp_path):
             f.write(json.dumps({"pair": [good, bad], "preference": 1}) + "\n")
             f.write(json.dumps({"pair": [bad, good], "preference": 2}) + "\n")
     model = rm.IntrinsicReward(make_args(reward_type="motif", labels_from=str(path), raw_ranking=True), "cpu")
-    assert model.label_requests() == ({}, {})  # no LLM at training time
+    assert model.requests.label_requests() == ({}, {})  # no LLM at training time
     frozen = {k: v.clone() for k, v in model.piece.model.state_dict().items()}
     model.add_labels([{"pair": [bad, good], "preference": 1}])
     assert model.piece.train_now() == 0
@@ -375,13 +357,13 @@ def test_ranking_pair_pool_is_a_bounded_uniform_sample(monkeypatch):
     monkeypatch.setattr(rm, "PAIR_POOL_SIZE", 50)
     model = rm.IntrinsicReward(make_args(reward_type="ranking"), "cpu")
     for i in range(5000):
-        model.add_to_pool(str(i))
-    kept = [int(t) for t in model.pair_pool]
+        model.requests.add_to_pool(str(i))
+    kept = [int(t) for t in model.requests.pair_pool]
     assert len(kept) == 50 and len(set(kept)) == 50
     assert 1500 < np.mean(kept) < 3500  # uniform over all 5000, not the first or the last 50
     restored = rm.IntrinsicReward(make_args(reward_type="ranking"), "cpu")
     restored.load_state_dict(model.state_dict())
-    assert restored.pair_pool == model.pair_pool and restored.pool_offers == 5000
+    assert restored.requests.pair_pool == model.requests.pair_pool and restored.requests.pool_offers == 5000
 
 
 class InThreadClient:
@@ -434,7 +416,7 @@ def test_ranking_rewards_are_bounded_z_scores_from_the_first_rewarded_update(tmp
     try:
         for update in range(60):  # the learner's loop, with the reward model trained inline
             model.rewards(*batch)
-            client.request(*model.label_requests())
+            client.request(*model.requests.label_requests())
             thread.wait_for(lambda: thread.stats.get("backlog", 1) == 0 and thread.stats.get("in_flight", 1) == 0, 5)
             model.add_labels(client.new_records())
             model.piece.train_now()
@@ -712,35 +694,6 @@ def test_the_classifier_gate_and_its_pay_weights_survive_a_resume():
     assert not publish(labelled_seen().piece, between)  # ...though it takes 90% to switch on
 
 
-def test_a_classifier_checkpoint_from_before_the_pay_weights_gates_on_pay_since_the_resume():
-    """A checkpoint from before the pay weights (f57417e) holds no firsts, and its gate sample weighs steps
-    + 1. It loads and publishes; its gate weighs each label one until the learner's batches since the resume
-    pay it."""
-    model = labelled_seen()
-    model.piece.train_now(1, batch_size=8)  # a checkpoint needs a trained model
-    model.piece.published["fitted"] = True
-    old = model.state_dict()
-    del old["firsts_partial"]
-    texts, steps, paid, _ = old["seen"]
-    old["seen"] = (texts, steps, paid)  # no firsts
-    old["frequent"] = (tuple(texts), tuple(float(k + 1) for k in steps.tolist()))  # the old gate's sample
-    resumed = rm.IntrinsicReward(make_args(reward_type="classification"), "cpu")
-    resumed.add_labels([{"caption": t, "label": label} for t, *_, label in LABELLED])
-    resumed.load_state_dict(old)
-    assert resumed.firsts_partial and not resumed.piece.pay and resumed.piece.published["fitted"]
-    resumed.piece.minibatch_loss(8)  # drawn from the old sample
-    trained = resumed.piece.model
-    feel = Judge(HELPFUL + [FEEL])  # 7 of the 8 messages it would pay helpful, 80 of 130 of the pay
-    assert publish(resumed.piece, feel, fresh=False)  # on pay since the resume, none: each label weighs one
-    resumed.rewards(*sightings_of([(t, k, firsts) for t, k, firsts, _ in LABELLED]))  # the first batch since
-    assert resumed.piece.pay == model.piece.pay
-    assert not publish(resumed.piece, feel, fresh=False)  # now weighed by its pay: off
-    resumed.piece.model = trained
-    assert resumed.piece.train_now(1, batch_size=8) == 1 and resumed.piece.published["model_steps"] == 2
-    _, paid, _ = resumed.rewards(*sightings_of([(t, 1, 1) for t in HELPFUL + [FEEL, WALL]]))  # the new model
-    assert paid.isfinite().all()
-
-
 BALL = "You see here a heavy iron ball (chained to you)."
 
 
@@ -780,14 +733,15 @@ def test_ranking_trains_on_every_drawn_pair_as_often_as_the_steps_show_it():
     """Before: self-pairs were dropped (21% of drawn pairs in free_ranking), the annotator dropped a pair already
     asked (63%), and the message on 40% of the steps was in 61% of drawn pairs but 30% of the pairs trained on."""
     model = rm.IntrinsicReward(make_args(reward_type="ranking"), "cpu")
+    requests = model.requests  # what the LLM is asked
     shares = {WALL: 0.4, "Never mind.": 0.2, "It's solid stone.": 0.1, **{f"You kill the {m}!": 0.03 for m in MONSTERS[:10]}}
-    model.pair_pool = [t for t, q in shares.items() for _ in range(round(q * 1000))]
+    requests.pair_pool = [t for t, q in shares.items() for _ in range(round(q * 1000))]
     value = {t: i for i, t in enumerate(shares)}  # the fake LLM prefers the later message
     done, asked, updates = set(), [], 300
     for _ in range(updates):
-        model.batches_to_pair = 1
+        requests.batches_to_pair = 1
         answers = []
-        for pair in model.label_requests()[1]:  # what the annotator asks: it drops a pair it answered
+        for pair in requests.label_requests()[1]:  # what the annotator asks: it drops a pair it answered
             if annotator.item_key(pair) not in done:
                 done.add(annotator.item_key(pair))
                 asked.append(pair)
@@ -804,14 +758,15 @@ def test_ranking_trains_on_every_drawn_pair_as_often_as_the_steps_show_it():
 
 def test_a_pair_drawn_again_before_its_answer_is_asked_once_and_trained_on_every_draw():
     model = rm.IntrinsicReward(make_args(reward_type="ranking"), "cpu")
-    model.pair_pool, model.batches_to_pair = [WALL] * 6 + [KILL] * 4, 1
-    pairs = list(model.label_requests()[1])
+    requests = model.requests  # what the LLM is asked
+    requests.pair_pool, requests.batches_to_pair = [WALL] * 6 + [KILL] * 4, 1
+    pairs = list(requests.label_requests()[1])
     assert len(pairs) == 1 and not model.piece.pairs  # 8 draws of one pair, in either order: asked once
     answer = {"pair": list(pairs[0]), "preference": 1 if pairs[0][0] == KILL else 2}
     model.add_labels([answer])
     assert len(model.piece.pairs) == 8 and all(p == float(a == KILL) for a, b, p in model.piece.pairs)
-    model.batches_to_pair = 2
-    assert model.label_requests() == ({}, {})  # answered: 16 more draws trained on, none asked
+    requests.batches_to_pair = 2
+    assert requests.label_requests() == ({}, {})  # answered: 16 more draws trained on, none asked
     assert len(model.piece.pairs) == 24 and all(p == float(a == KILL) for a, b, p in model.piece.pairs)
     assert model.known_keys() == {annotator.item_key((WALL, KILL)), annotator.item_key((KILL, WALL))}
     resumed = rm.IntrinsicReward(make_args(reward_type="ranking"), "cpu")
@@ -825,22 +780,23 @@ def test_pairs_waiting_for_an_answer_are_bounded_oldest_dropped(monkeypatch):
     now 10 annotator backlogs' worth, the oldest dropped. A dropped pair answered later is trained on once."""
     monkeypatch.setattr(annotator, "MAX_BACKLOG", 5)
     model = rm.IntrinsicReward(make_args(reward_type="ranking"), "cpu")
-    model.pair_pool = [f"message {i}" for i in range(1000)]
+    requests = model.requests  # what the LLM is asked
+    requests.pair_pool = [f"message {i}" for i in range(1000)]
     asked = []
     for _ in range(20):
-        model.batches_to_pair = 1
-        asked += model.label_requests()[1]
-    assert len(asked) == 160 and len(model.waiting) == 50 and list(model.waiting) == asked[-50:]
+        requests.batches_to_pair = 1
+        asked += requests.label_requests()[1]
+    assert len(asked) == 160 and len(requests.waiting) == 50 and list(requests.waiting) == asked[-50:]
     model.add_labels([{"pair": list(asked[0]), "preference": 1}])  # dropped long ago, answered now
     assert model.piece.pairs == [(*asked[0], 1.0)]
-    oldest = next(iter(model.waiting))  # drawn again: asked again, and the last to go
-    model.pair_pool, model.batches_to_pair = [*oldest] * 2, 1
-    model.label_requests()
-    model.pair_pool = [f"message {i}" for i in range(1000)]
+    oldest = next(iter(requests.waiting))  # drawn again: asked again, and the last to go
+    requests.pair_pool, requests.batches_to_pair = [*oldest] * 2, 1
+    requests.label_requests()
+    requests.pair_pool = [f"message {i}" for i in range(1000)]
     for _ in range(6):
-        model.batches_to_pair = 1
-        model.label_requests()
-    assert len(model.waiting) == 50 and oldest in model.waiting
+        requests.batches_to_pair = 1
+        requests.label_requests()
+    assert len(requests.waiting) == 50 and oldest in requests.waiting
 
 
 def test_every_caption_seen_is_labelled_after_the_backlog_overflowed(tmp_path, monkeypatch):
@@ -857,7 +813,7 @@ def test_every_caption_seen_is_labelled_after_the_backlog_overflowed(tmp_path, m
     try:
         for chunk in range(4):
             model.rewards(*steps_of([(c, 2) for c in captions[chunk * 8:(chunk + 1) * 8]]))
-            client.request(*model.label_requests())
+            client.request(*model.requests.label_requests())
             time.sleep(0.2)
         assert thread.wait_for(lambda: thread.stats.get("dropped", 0) > 10, 10)
         server.delay = 0.0  # the server speeds up; the learner keeps updating on empty messages
@@ -871,7 +827,7 @@ def test_every_caption_seen_is_labelled_after_the_backlog_overflowed(tmp_path, m
         server.stop()
     assert set(model.piece.labels) == set(captions)
     assert model.piece.labels == {c: float("kill" in c) for c in captions}
-    assert not model.asked  # nothing left waiting
+    assert not model.requests.asked  # nothing left waiting
 
 
 def assert_same(a, b):
@@ -1033,30 +989,32 @@ def test_an_unlabelled_caption_is_sent_with_the_pay_weight_it_has_accrued_and_a_
     """Guards the backlog's order (issue 44): captions went out once, at first sight, with no worth, so the annotator
     could only ask them in the order first seen, and a message paid often but first seen late waited for rare ones."""
     model = rm.IntrinsicReward(make_args(reward_type="retrieval"), "cpu")
+    requests = model.requests  # what the LLM is asked
     prompt = "Are you sure you want to pray? [yn] (n)"
     model.rewards(*steps_of([(prompt, 1), ("You kill the newt!", 5), (WALL, 3)]))
     first = {WALL: 3.0, prompt: 1.0, "You kill the newt!": 5.0}  # each step its episode's first sight: 1/1^beta
-    assert model.label_requests()[0] == pytest.approx(first)  # each with its pay weight
+    assert requests.label_requests()[0] == pytest.approx(first)  # each with its pay weight
     model.add_labels([{"caption": "You kill the newt!", "label": 1}])
     model.rewards(*steps_of([(prompt, 1), ("You kill the newt!", 1)]))
-    assert model.label_requests()[0] == pytest.approx({prompt: 2.0})  # seen again: its worth grew; labelled: gone
-    assert model.unanswered()[0] == pytest.approx({prompt: 2.0, WALL: first[WALL]})  # a restart: most worth first
+    assert requests.label_requests()[0] == pytest.approx({prompt: 2.0})  # seen again: its worth grew; labelled: gone
+    assert requests.unanswered()[0] == pytest.approx({prompt: 2.0, WALL: first[WALL]})  # a restart: most worth first
 
 
 def test_a_sweep_of_unanswered_captions_is_bounded_and_oldest_first():
     """With 1e6 captions unanswered, one re-ask sweep scanned, shuffled and sent them all every 60 s (1.6 s of the
     learner thread, 57 MB through the request queue); now at most a backlog's worth, the longest waiting first."""
     model = rm.IntrinsicReward(make_args(reward_type="retrieval"), "cpu")
+    requests = model.requests  # what the LLM is asked
     n, now = annotator.MAX_BACKLOG + 500, time.time()
-    model.asked = {f"message {i}": now - 1000 + i * 0.01 for i in range(n)}
-    model.asked["just asked"] = now
-    model.last_retry = 0.0
-    captions, _ = model.label_requests()
+    requests.asked = {f"message {i}": now - 1000 + i * 0.01 for i in range(n)}
+    requests.asked["just asked"] = now
+    requests.last_retry = 0.0
+    captions, _ = requests.label_requests()
     assert list(captions) == [f"message {i}" for i in range(annotator.MAX_BACKLOG)]
-    model.last_retry = 0.0
-    captions, _ = model.label_requests()  # the rest, then those asked again: not before another RETRY_S
+    requests.last_retry = 0.0
+    captions, _ = requests.label_requests()  # the rest, then those asked again: not before another RETRY_S
     assert list(captions) == [f"message {i}" for i in range(annotator.MAX_BACKLOG, n)]
-    assert list(model.asked)[-1] == f"message {n - 1}" and len(model.asked) == n + 1
+    assert list(requests.asked)[-1] == f"message {n - 1}" and len(requests.asked) == n + 1
 
 
 def test_an_annotator_restart_asks_again_what_it_had_not_answered(tmp_path):
@@ -1075,9 +1033,9 @@ def test_an_annotator_restart_asks_again_what_it_had_not_answered(tmp_path):
             client.start(str(tmp_path), set())
             try:
                 model.rewards(*steps_of(STEPS + [(f"You kill the {m}!", 30) for m in MONSTERS[:8]]))
-                client.request(*model.label_requests())
+                client.request(*model.requests.label_requests())
                 time.sleep(0.5)
-                assert len(getattr(model, pending)) >= 4
+                assert len(getattr(model.requests, pending)) >= 4
                 client.process.kill()
                 client.process.join()
                 model.exchange(client, stopping=True)  # in a stop the SIGTERM killed it: no restart
@@ -1085,10 +1043,10 @@ def test_an_annotator_restart_asks_again_what_it_had_not_answered(tmp_path):
                 model.exchange(client)  # as the next update: restarts it, asks again what was not answered
                 assert client.restarts == 1
                 deadline = time.time() + 60
-                while getattr(model, pending) and time.time() < deadline:
+                while getattr(model.requests, pending) and time.time() < deadline:
                     model.add_labels(client.new_records())
                     time.sleep(0.1)
-                assert not getattr(model, pending), (reward_type, getattr(model, pending))
+                assert not getattr(model.requests, pending), (reward_type, getattr(model.requests, pending))
             finally:
                 client.close()
     finally:
@@ -1135,8 +1093,8 @@ def ranked():
     batch = steps_of([(t, k) for t, k, _ in RANKED_STEPS])
     for _ in range(20):  # 16,880 steps: the statistics' reference is full
         model.rewards(*batch)
-    model.batches_to_pair = 200
-    model.add_labels(answered(model.label_requests()[1]))
+    model.requests.batches_to_pair = 200
+    model.add_labels(answered(model.requests.label_requests()[1]))
     model.piece.train_now(300, batch_size=64)
     return model
 
@@ -1182,12 +1140,13 @@ def test_ranking_pairs_hold_each_message_as_often_as_it_is_paid(raw):
     gold = "$ - 2 gold pieces."
     episode = [WALL] * 50 + ["It's solid stone."] * 30 + ["Never mind."] * 20 + [KILL, gold]
     model = rm.IntrinsicReward(make_args(reward_type="ranking", raw_ranking=raw), "cpu")
-    before = model.rng.getstate()
+    requests = model.requests  # what the LLM is asked
+    before = requests.rng.getstate()
     model.rewards(*one_env_episodes(episode, 200))
-    assert (model.rng.getstate() != before) != raw  # --raw-ranking leaves the seeded stream as it was
-    model.batches_to_pair = 100
+    assert (requests.rng.getstate() != before) != raw  # --raw-ranking leaves the seeded stream as it was
+    requests.batches_to_pair = 100
     model.add_labels([{"pair": list(pair), "preference": 1 if pair[0] in (KILL, gold) else 2}
-                      for pair in model.label_requests()[1]])
+                      for pair in requests.label_requests()[1]])
     pairs = model.piece.pairs
     assert len(pairs) == 800
     pays = lambda n: n if raw else sum(k ** -3.0 for k in range(1, n + 1))  # R = 1 paid over n sightings
@@ -1227,10 +1186,3 @@ def test_ranking_statistics_stay_on_the_run_s_first_steps_and_survive_a_resume(m
     for piece in (model.piece, resumed.piece):  # both go on: the same steps, the same statistics, bit for bit
         piece.train_now(5, batch_size=16)
     assert resumed.piece.published["norm"] == model.piece.published["norm"] != norm
-    old = {key: value for key, value in model.state_dict().items() if key != "reference"}  # a checkpoint
-    old["trainer"] = {**old["trainer"], "recent": [{WALL: 5}, {WALL: 1, KILL: 2}]}  # held the last batches
-    old["norm"] = {"mean": norm["mean"], "std": norm["std"], "median": norm["mean"]}  # ...and a median
-    resumed = rm.IntrinsicReward(make_args(reward_type="ranking"), "cpu")
-    resumed.load_state_dict(old)
-    assert resumed.piece.reference == {WALL: 6, KILL: 2}
-    assert resumed.piece.score(rm.to_rows(texts), texts).tolist()[2] > 0  # it pays until the next refit

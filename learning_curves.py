@@ -32,6 +32,8 @@ evaluated episode (evaluate.py --record) to RUN/replay and RUN/replay_random: ep
 episode0.ttyrec3.bz2.
 """
 import argparse
+import contextlib
+import fcntl
 import functools
 import glob
 import json
@@ -99,9 +101,26 @@ def read_json(path):  # A file this driver reads, or one `error:` line that name
 
 
 def write_atomic(path, text):  # Whole or not at all: a reader never meets a file cut short.
-    with open(path + ".tmp", "w") as f:
-        f.write(text)
-    os.replace(path + ".tmp", path)
+    try:
+        with open(path + ".tmp", "w") as f:
+            f.write(text)
+        os.replace(path + ".tmp", path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(path + ".tmp")
+        raise
+
+
+def in_use(run_dir):  # The pid line of the learner that holds run_dir (oni_appo.hold), else None.
+    try:
+        with open(os.path.join(run_dir, "learner.lock")) as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        with open(os.path.join(run_dir, "learner.lock")) as lock:
+            return lock.read().strip() or "a learner"
+    except OSError:
+        pass
+    return None
 
 
 def execute(command, log):
@@ -144,6 +163,11 @@ def run_all(args, extra):
                 failures += evaluate_after(run_dir, args.eval_after)
                 continue
             os.makedirs(run_dir, exist_ok=True)
+            if holder := in_use(run_dir):  # A learner of an earlier driver still saving: not to be moved.
+                failures += 1
+                print(f"error: {name}/seed{seed}: {run_dir} is in use by another learner ({holder})",
+                      flush=True)
+                continue
             # A start killed before its first checkpoint left logs that oni_appo.py refuses to append to, and
             # an evaluation is of a policy that now trains on: both are set aside.
             fresh = "--resume" not in command

@@ -13,6 +13,7 @@ import collections
 import contextlib
 import dataclasses
 import enum
+import errno
 import fcntl
 import json
 import math
@@ -597,7 +598,10 @@ def train(args):
         if run.client is not None:
             run.client.close()
         run.intrinsic.close()
-    return finish(run)
+    try:
+        return finish(run)
+    finally:
+        run.lock.close()  # The run dir is free for the next learner, in this process too.
 
 
 @dataclass
@@ -949,9 +953,11 @@ def write_checkpoint(state, path):
     try:
         torch.save(loadable(state), path + ".tmp")
         os.replace(path + ".tmp", path)  # Never leave a half-written checkpoint: the last whole one stays.
-    except BaseException:
+    except BaseException as error:
         with contextlib.suppress(OSError):
             os.remove(path + ".tmp")
+        if isinstance(error, RuntimeError) and "write" in str(error):  # Torch's writer on a full disk.
+            raise OSError(errno.ENOSPC, "the checkpoint could not be written (a full disk?)", path) from error
         raise
 
 
@@ -1024,14 +1030,15 @@ def restore(args, agent, optimizer, intrinsic, counters):
     counters.update(collected_steps=steps, updates=saved["updates"], episodes=saved["episodes"])
     episodes, kept = os.path.join(args.run_dir, "episodes.jsonl"), []
     if os.path.exists(episodes):  # The steps after the checkpoint are played again, their episodes too.
-        with open(episodes) as f:
-            for n, line in enumerate(f, 1):
-                try:
-                    if line.endswith("\n") and json.loads(line)["env_steps"] <= steps:  # Else cut short.
-                        kept.append(line)
-                except (ValueError, KeyError, TypeError) as error:
-                    fail(f"{episodes} line {n} is not an episode record ({type(error).__name__}: {error}): "
-                         "mend or remove it, then --resume again")
+        with open(episodes, errors="replace") as f:
+            lines = f.read().split("\n")
+        for n, line in enumerate(lines[:-1], 1):  # The last is empty, or a write a crash cut short.
+            try:
+                if line.strip() and json.loads(line)["env_steps"] <= steps:
+                    kept.append(line + "\n")
+            except (ValueError, KeyError, TypeError, RecursionError) as error:
+                fail(f"{episodes} line {n} is not an episode record ({type(error).__name__}: {error}): "
+                     "mend or remove it, then --resume again")
         rewrite(episodes, kept)
         counters["episodes"] = len(kept)
     labels = os.path.join(args.run_dir, annotator.LABELS_FILE)
@@ -1044,9 +1051,14 @@ def restore(args, agent, optimizer, intrinsic, counters):
 
 
 def rewrite(path, lines):  # Atomically, so that a crash now cannot lose the file.
-    with open(path + ".tmp", "w") as f:
-        f.writelines(lines)
-    os.replace(path + ".tmp", path)
+    try:
+        with open(path + ".tmp", "w") as f:
+            f.writelines(lines)
+        os.replace(path + ".tmp", path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(path + ".tmp")
+        raise
 
 
 def run_record(args) -> dict:
@@ -1125,8 +1137,8 @@ def main():
     exit code of the signal that stopped it (130 for Ctrl-C), so that a script tells a stop from an end."""
     try:
         summary = train(parse_args())
-    except OSError as error:  # A full disk, a read-only file system.
-        fail(f"cannot write {error.filename or 'to the run dir'}: {error.strerror or error}")
+    except OSError as error:  # A full disk, a read-only one; without a file, a pipe to a process that died.
+        fail(f"cannot write {error.filename}: {error.strerror}" if error.filename else f"{error!r}")
     sys.exit(128 + summary["stopped_by"] if summary.get("stopped_by") else 0)
 
 

@@ -101,6 +101,7 @@ def measure(case, n, opts):
     args = SimpleNamespace(reward_type=reward_type, seed=1, labels_from=None, count_beta=3.0, reward_scale=0.1,
                            reward_clip=10.0, extrinsic_coef=1.0, intrinsic_coef=0.4, raw_ranking=False)
     intrinsic = reward_models.IntrinsicReward(args, torch.device("cpu"))
+    requests = getattr(intrinsic, "requests", intrinsic)  # the label requests: a piece of their own since 95ec1b5
     client = annotator.LabelClient(SimpleNamespace(prompt_file=None, llm_url=[url], llm_model=None,
                                                    llm_concurrency=opts["llm_concurrency"], llm_threads=None,
                                                    num_workers=0))
@@ -135,10 +136,10 @@ def measure(case, n, opts):
         if hasattr(intrinsic, "exchange"):  # as learn()
             captions, pairs = intrinsic.exchange(client)
         else:  # a --baseline from before the one exchange call: learn()'s calls then
-            if client.check() and hasattr(intrinsic, "unanswered"):
-                client.request(*intrinsic.unanswered())
+            if client.check() and hasattr(requests, "unanswered"):
+                client.request(*requests.unanswered())
             intrinsic.add_labels(client.new_records())
-            captions, pairs = intrinsic.label_requests()
+            captions, pairs = requests.label_requests()
             client.request(captions, pairs)
         t2 = time.perf_counter()
         rewards_s.append(t1 - t0)
@@ -158,18 +159,18 @@ def measure(case, n, opts):
         figures["labels_per_s"] = client.stats().get("labels", 0) / (time.time() - started)
     intrinsic.add_labels(client.new_records())
     piece = intrinsic.piece
-    figures.update(labels=len(piece.labels), pairs_answered=len(piece.pairs), asked=len(intrinsic.asked),
+    figures.update(labels=len(piece.labels), pairs_answered=len(piece.pairs), asked=len(requests.asked),
                    seen=len(intrinsic.seen))
     if case == "unanswered":  # one re-ask sweep, as due every RETRY_S
-        reward_models.RETRY_S, intrinsic.last_retry = 0.0, 0.0
+        reward_models.RETRY_S, requests.last_retry = 0.0, 0.0
         t0 = time.perf_counter()
-        captions, pairs = intrinsic.label_requests()
+        captions, pairs = requests.label_requests()
         client.request(captions, pairs)
         figures["sweep_s"] = time.perf_counter() - t0
         figures.update(sweep_captions=len(captions), sweep_mb=len(pickle.dumps((captions, pairs))) / 1e6)
-        if hasattr(intrinsic, "unanswered"):  # what a restarted annotator is sent
+        if hasattr(requests, "unanswered"):  # what a restarted annotator is sent
             t0 = time.perf_counter()
-            again = intrinsic.unanswered()
+            again = requests.unanswered()
             figures.update(restart_s=time.perf_counter() - t0, restart_captions=len(again[0]))
         time.sleep(2)  # the queue's feeder thread and the annotator take it in
     figures["learner_mb"] = vm(os.getpid())  # holding it all (a publication's forward pass below adds its own)

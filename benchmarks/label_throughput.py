@@ -71,7 +71,7 @@ def run(concurrency, messages, rate, seconds, url):
             first_seen.update(dict.fromkeys(new, now))
             asked.update(dict.fromkeys(new, now))
             again = []
-            if now - last_retry > RETRY_S:  # as reward_models.IntrinsicReward.observe
+            if now - last_retry > RETRY_S:  # as reward_models.LabelRequests.label_requests
                 again = [m for m, at in asked.items() if now - at > RETRY_S]
                 random.shuffle(again)
                 asked.update(dict.fromkeys(again, now))

@@ -7,7 +7,7 @@
 Training runs (the default): `--reward-type none` and `ranking` (its LLM an instant stub server in a process
 of its own, benchmarks/fake_openai.py), one after the other. Each function of the learner's loop (oni_appo.py:
 next_batch - waiting for rollouts -, take_batch, the intrinsic reward, add_intrinsic_episodes, update_policy;
-the label intake: LabelClient.check, new_records, request, IntrinsicReward.add_labels, label_requests) is
+the label intake: LabelClient.check, new_records, request, LabelRequests.add_labels, label_requests) is
 wrapped with a timer; the table is ms per update. What ranking adds to none there is ONI's cost on the
 learner's critical path.
 
@@ -53,7 +53,8 @@ from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 SPENT = collections.defaultdict(float)
 TIMED = [(oni_appo, name) for name in ("next_batch", "take_batch", "add_intrinsic_episodes", "update_policy")] + [
     (annotator.LabelClient, name) for name in ("check", "new_records", "request")] + [
-    (reward_models.IntrinsicReward, name) for name in ("rewards", "add_labels", "label_requests")]
+    (reward_models.IntrinsicReward, "rewards")] + [
+    (reward_models.LabelRequests, name) for name in ("add_labels", "label_requests")]
 
 
 def timed(function, key):

@@ -177,3 +177,19 @@ def test_a_truncated_or_foreign_file_is_a_one_line_error(tmp_path, recwarn):
         assert message.startswith(f"error: cannot read checkpoint {path}"), message
         assert "weights_only" not in message  # never the advice to load it with pickle
     assert not recwarn.list
+
+
+def test_a_checkpoint_the_disk_cannot_hold_leaves_the_last_whole_one_and_no_partial_file(tmp_path, monkeypatch):
+    """Guards issue 45 item 4: a full disk at a checkpoint left a partial checkpoint.pt.tmp beside the last one."""
+    path = str(tmp_path / "checkpoint.pt")
+    oni_appo.write_checkpoint({"format": 1, "counters": {"updates": 1}}, path)
+
+    def full_disk(state, target):
+        open(target, "wb").write(b"half a checkpoint")
+        raise OSError(28, "No space left on device", target)
+    monkeypatch.setattr(oni_appo.torch, "save", full_disk)
+    with pytest.raises(OSError):
+        oni_appo.write_checkpoint({"format": 1, "counters": {"updates": 2}}, path)
+    monkeypatch.undo()
+    assert not (tmp_path / "checkpoint.pt.tmp").exists()
+    assert torch.load(path, weights_only=True)["counters"] == {"updates": 1}

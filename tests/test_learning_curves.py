@@ -389,3 +389,21 @@ def test_eval_after_skips_a_stopped_run_and_a_resume_sets_its_evaluation_aside(t
     (run / "eval.json").write_text(json.dumps({"episodes": []}))  # as an earlier version evaluated it
     assert lc.main(argv) == 0 and calls[1:] == ["oni_appo.py", "evaluate.py", "evaluate.py"]
     assert os.listdir(run / "earlier_1") == ["eval.json"]  # the earlier evaluation, kept; episodes not (a resume)
+
+
+def test_a_run_dir_a_learner_still_holds_is_left_alone(tmp_path):
+    """Guards a review finding (issue 45): a driver restarted while its killed predecessor's learner still saved
+    moved that learner's episodes and labels aside under it, as from a start killed before its checkpoint."""
+    import subprocess
+    run_dir = tmp_path / "free_none" / "seed1"
+    os.makedirs(run_dir)
+    holder = subprocess.Popen([sys.executable, "-c", "import oni_appo, sys, time; lock = oni_appo.hold(sys.argv[1]); "
+                               "print('held', flush=True); time.sleep(600)", str(run_dir)],
+                              cwd=lc.ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert lc.in_use(str(run_dir)) == f"pid {holder.pid} on {__import__('socket').gethostname()}"
+    finally:
+        holder.kill()
+        holder.wait()
+    assert lc.in_use(str(run_dir)) is None and lc.in_use(str(tmp_path)) is None

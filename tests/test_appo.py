@@ -533,7 +533,8 @@ def test_an_acting_process_killed_mid_message_is_a_clear_failure_not_a_hang():
     os.write(acting_end.fileno(), struct.pack("!i", 1000) + b"part of a rollout message")  # a header, 1,000 promised
     acting_end.close()  # the process is gone
     run = SimpleNamespace(full_rollouts=learner_end, stop=SimpleNamespace(value=0), failure=None, ended=False,
-                          pending=collections.defaultdict(list), counters={"episodes": 0, "collected_steps": 0})
+                          tally=SimpleNamespace(pending=collections.defaultdict(list),
+                                                counters={"episodes": 0, "collected_steps": 0}))
     assert oni_appo.next_message(run, 1) == (None, None)
     assert run.failure == "the acting process died" and run.stop.value == 1 and run.ended
 
@@ -554,7 +555,8 @@ def test_an_end_that_next_batch_read_is_not_waited_for_again():
         join = kill = lambda self, timeout=None: None
     acting_end.send(("end", None, [], 5))
     run = SimpleNamespace(full_rollouts=learner_end, acting=Exits(), stop=SimpleNamespace(value=1), failure=None,
-                          pending=collections.defaultdict(list), counters={"episodes": 0, "collected_steps": 0}, ended=False)
+                          tally=SimpleNamespace(pending=collections.defaultdict(list),
+                                                counters={"episodes": 0, "collected_steps": 0}), ended=False)
     assert oni_appo.next_message(run, 0) == ("end", None)  # read by next_batch
     oni_appo.end_acting(run)
     assert run.failure is None
@@ -850,7 +852,8 @@ def test_a_run_split_by_two_resumes_reports_the_totals_of_its_pieces(tmp_path, m
     try:
         for steps in (4000, 8000, 12000):
             fake.fail_next = 2  # up to two failed requests in each session
-            start = SMALL_RUN[:-1] + ["retrieval", "--llm-url", fake.url, "--run-dir", run_dir] if not summaries else ["--resume", run_dir]
+            start = (SMALL_RUN[:-1] + ["retrieval", "--llm-url", fake.url, "--run-dir", run_dir] if not summaries
+                     else ["--resume", run_dir, "--llm-url", fake.url])  # the key goes where this command sends it
             keyed = {**os.environ, "OPENAI_API_KEY": fake.key}
             result = run(start + ["--total-env-steps", str(steps)], env=keyed)
             assert result.returncode == 0, result.stderr[-2000:]
@@ -1080,6 +1083,7 @@ def test_the_trainer_gets_the_reward_model_share(tmp_path, monkeypatch):
     for argv, share in (([], 1.0), (["--reward-model-share", "0.25"], 0.25)):
         run = oni_appo.set_up(oni_appo.parse_args(["--reward-type", "classification", *argv, "--run-dir", str(tmp_path / "r")]))
         run.writer.close()
+        run.lock.close()  # the run dir, free for the next set_up
         assert shares.pop() == share
 
 

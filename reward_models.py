@@ -564,8 +564,10 @@ class LabelRequests:
     def unanswered(self) -> tuple[dict, dict]:  # What a restarted annotator lost: captions most worth first.
         captions = heapq.nlargest(annotator.MAX_BACKLOG, self.asked, key=self.worth.__getitem__)
         pairs = itertools.islice(self.waiting, annotator.MAX_BACKLOG)
-        return ({t: self.worth[t] for t in captions},
-                {pair: self.worth[pair[0]] + self.worth[pair[1]] for pair in pairs})
+        return {t: self.worth[t] for t in captions}, {pair: self.pair_worth(pair) for pair in pairs}
+
+    def pair_worth(self, pair) -> float:  # A judged message's score is reused free: only the others count.
+        return sum(self.worth[text] for text in pair if text not in self.judged)
 
     def add_labels(self, records):  # The LLM's answers, --labels-from, or on a resume the run's labels.jsonl.
         self.piece.add_labels(records)  # First: a caption labelled, then unparseable in one call, is done.
@@ -605,7 +607,7 @@ class LabelRequests:
         excess = max(0, len(self.waiting) - 10 * annotator.MAX_BACKLOG)
         for pair in list(itertools.islice(self.waiting, excess)):  # Answered later, one is trained on once.
             del self.waiting[pair]
-        return captions, {pair: self.worth[pair[0]] + self.worth[pair[1]] for pair in asked}
+        return captions, {pair: self.pair_worth(pair) for pair in asked}
 
     def state_dict(self) -> dict:
         return {"pair_pool": self.pair_pool, "pool_offers": self.pool_offers, "steps_seen": self.steps_seen,

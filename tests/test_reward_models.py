@@ -1000,6 +1000,19 @@ def test_an_unlabelled_caption_is_sent_with_the_pay_weight_it_has_accrued_and_a_
     assert requests.unanswered()[0] == pytest.approx({prompt: 2.0, WALL: first[WALL]})  # a restart: most worth first
 
 
+def test_a_pair_is_worth_the_pay_weight_of_its_messages_not_judged_yet():
+    """Guards the pairs' order (issue 44): a pair's worth summed both messages, so a pair with a wall hit every
+    episode, already scored and reused free, was asked before a pair of two messages the LLM had never judged."""
+    model = rm.IntrinsicReward(make_args(reward_type="ranking"), "cpu")
+    requests = model.requests
+    model.rewards(*steps_of([(WALL, 9), ("You kill the newt!", 2), ("You see here a ring.", 3)]))
+    model.add_labels([{"pair": [WALL, "You see here a ring."], "preference": 2}])  # both judged now
+    requests.pair_pool, requests.batches_to_pair = [WALL, "You kill the newt!"], 1
+    assert set(requests.label_requests()[1].values()) == {2.0}  # the newt's weight only, in either order
+    assert requests.pair_worth(("You kill the newt!", "You see here a ring.")) == 2.0
+    assert requests.pair_worth((WALL, "You see here a ring.")) == 0.0  # answered free by the annotator
+
+
 def test_a_sweep_of_unanswered_captions_is_bounded_and_oldest_first():
     """With 1e6 captions unanswered, one re-ask sweep scanned, shuffled and sent them all every 60 s (1.6 s of the
     learner thread, 57 MB through the request queue); now at most a backlog's worth, the longest waiting first."""

@@ -70,19 +70,21 @@ def reward_model(path, checkpoint, saved, device) -> reward_models.IntrinsicRewa
 
 
 def changed_runs(previous, screen) -> list:
-    """The cells of screen ([chars, colours] x 1920) that differ from previous, as runs [first cell, chars, colours
-    in hex digits]: a 5,000-step page stays small, as a step changes a few cells."""
+    """The cells of screen ([chars, colours] x 1920) that differ from previous, as runs [first cell, chars,
+    colours in hex digits]: a 5,000-step page stays small, as a step changes a few cells."""
     changed = np.flatnonzero((previous != screen).any(axis=0))
     if not len(changed):
         return []
     cuts = np.flatnonzero(np.diff(changed) >= MERGE_GAP)
     starts, ends = changed[np.r_[0, cuts + 1]], changed[np.r_[cuts, len(changed) - 1]] + 1
-    return [[int(a), screen[0, a:b].tobytes().decode("latin-1"), screen[1, a:b].tobytes().translate(COLOUR_DIGITS).decode()]
+    return [[int(a), screen[0, a:b].tobytes().decode("latin-1"),
+             screen[1, a:b].tobytes().translate(COLOUR_DIGITS).decode()]
             for a, b in zip(starts, ends)]
 
 
 def record_step(episode, obs, action, reward, terminated, info):
-    """One step into the episode's record: its screen (as the cells changed), action, message, N, env reward."""
+    """One step into the episode's record: its screen (as the cells changed), action, message, N, env
+    reward."""
     screen = np.stack([obs["tty_chars"].ravel(), obs["tty_colors"].ravel().view(np.uint8)])
     episode["frames"].append(changed_runs(episode["screen"], screen))
     episode["screen"] = screen
@@ -106,7 +108,8 @@ def write_replay(path, episode, intrinsic, title, summary):
     texts = [envs.message_bytes(m).decode("latin-1") for m in messages]
     distinct = {text: i for i, text in enumerate(dict.fromkeys(texts))}
     data = {"title": title, "summary": summary, "actions": ACTION_NAMES, "frames": episode["frames"],
-            "action": list(actions), "messages": list(distinct), "labels": [intrinsic.piece.labels.get(t) for t in distinct],
+            "action": list(actions), "messages": list(distinct),
+            "labels": [intrinsic.piece.labels.get(t) for t in distinct],
             "message": [distinct[t] for t in texts], "count": counts[:, 0].tolist(),
             "value": rounded(paid[:, 1].tolist()), "paid": rounded(paid[:, 0].tolist()),
             "env_reward": rounded(env_rewards), "reward": rounded(reward[:, 0].tolist())}
@@ -144,21 +147,25 @@ def evaluate(args: Args) -> dict:
                       if i < recorded else {} for i in range(n)]
         intrinsic = reward_model(path, checkpoint, saved, device)
     first_seed = 10_000_019 * (saved.seed + 1)  # episodes no training run plays
-    pool = [envs.make_env(saved.task, seed=first_seed + i, max_episode_steps=saved.max_episode_steps, **nle_kwargs[i])
+    pool = [envs.make_env(saved.task, seed=first_seed + i, max_episode_steps=saved.max_episode_steps,
+                          **nle_kwargs[i])
             for i in range(n)]
     for kwargs in nle_kwargs[:recorded]:
-        # with a savedir NLE points the game's score files there as nle.PID.* (nle/env/base.py) but creates only the
-        # xlogfile: without these two a death's last screen is "Cannot open file ... Is NetHack installed correctly?"
+        # with a savedir NLE points the game's score files there as nle.PID.* (nle/env/base.py) but creates
+        # only the xlogfile: without these two a death's last screen is "Cannot open file ... Is NetHack
+        # installed correctly?"
         for name in ("record", "logfile"):
             open(os.path.join(kwargs["savedir"], f"nle.{os.getpid()}.{name}"), "a").close()
     obs = [env.reset()[0] for env in pool]
     h = torch.zeros(n, agent.gru.hidden_size, device=device)
     results, started, active = [], n, list(range(n))
-    played = [[i] for i in range(n)]  # the episodes (numbered as they start) of each env, as NLE numbers its ttyrecs
+    # the episodes (numbered as they start) of each env, as NLE numbers its ttyrecs
+    played = [[i] for i in range(n)]
     records = [{"screen": BLANK, "frames": [], "steps": []} for _ in range(n)]
     with torch.no_grad():
         while active:
-            batch = {k: torch.from_numpy(np.stack([obs[i][k] for i in active])).to(device) for k in OBS_FIELDS}
+            batch = {k: torch.from_numpy(np.stack([obs[i][k] for i in active])).to(device)
+                     for k in OBS_FIELDS}
             logits, _, h[active] = agent.step(batch, h[active])
             if args.random:
                 logits = torch.zeros_like(logits)
@@ -170,10 +177,11 @@ def evaluate(args: Args) -> dict:
                 if terminated or truncated:
                     results.append((played[i][-1], info["episode"]))
                     if played[i][-1] < recorded:
-                        write_replay(os.path.join(args.record, f"episode{played[i][-1]}.html"), records[i], intrinsic,
-                                     f"{saved.task}, {'random actions' if args.random else path}, episode "
-                                     f"{played[i][-1]}", ", ".join(f"{k} {v if isinstance(v, str) else format(v, 'g')}"
-                                                                   for k, v in info["episode"].items()))
+                        write_replay(os.path.join(args.record, f"episode{played[i][-1]}.html"), records[i],
+                                     intrinsic, f"{saved.task}, {'random actions' if args.random else path}, "
+                                     f"episode {played[i][-1]}",
+                                     ", ".join(f"{k} {v if isinstance(v, str) else format(v, 'g')}"
+                                               for k, v in info["episode"].items()))
                         records[i] = {"screen": BLANK, "frames": [], "steps": []}
                     if started < args.episodes:
                         played[i].append(started)
@@ -184,7 +192,8 @@ def evaluate(args: Args) -> dict:
     for env in pool:
         env.close()  # NLE closes an episode's ttyrec at the next reset or here
     results = [episode for _, episode in sorted(results, key=lambda r: r[0])]  # in the order they started
-    summary = {k: float(np.mean([r[k] for r in results])) for k, v in results[0].items() if not isinstance(v, str)}
+    summary = {k: float(np.mean([r[k] for r in results])) for k, v in results[0].items()
+               if not isinstance(v, str)}
     print(f"{len(results)} episodes of {saved.task} with {'random actions' if args.random else path}:")
     for k, v in summary.items():
         print(f"  {k:10s} {v:12.2f} +- {np.std([r[k] for r in results]):.2f}")
@@ -193,8 +202,8 @@ def evaluate(args: Args) -> dict:
     tmp = f"{out}.{os.getpid()}.tmp"
     try:  # whole or not at all: a reader never finds half of it
         with open(tmp, "w") as f:
-            json.dump({"checkpoint": path, "random_actions": args.random, "episodes": results, "mean": summary,
-                       "ends": ends}, f, indent=1)
+            json.dump({"checkpoint": path, "random_actions": args.random, "episodes": results,
+                       "mean": summary, "ends": ends}, f, indent=1)
         os.replace(tmp, out)
     except OSError as error:
         with contextlib.suppress(OSError):

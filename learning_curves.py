@@ -22,10 +22,10 @@ Everything after `--` goes verbatim to oni_appo.py. OUT/wall_times.json holds ea
 Plotting takes config dirs (holding seed*/episodes.jsonl) or run dirs (holding episodes.jsonl).
 OUT/curves.png: score, kills, depth, explored and intrinsic return against env steps; per seed the
 episodes' means in 25 equal bins of env steps, per config the mean over seeds (line) and their
-min-max (shaded). OUT/curves.md: per config the last-100-episode means (mean ± std over seeds) and the commits
-that made each seed (its summary.json's sessions; "+": with uncommitted changes); below it, each config's
-score against the control and the score-trained agent: "beats" only beyond the larger std (ddof 1) over
-seeds, and whether the seeds overlap.
+min-max (shaded). OUT/curves.md: per config the last-100-episode means (mean ± std over seeds) and the
+commits that made each seed (its summary.json's sessions; "+": with uncommitted changes); below it, each
+config's score against the control and the score-trained agent: "beats" only beyond the larger std (ddof 1)
+over seeds, and whether the seeds overlap.
 --eval-after N evaluates each run as soon as it is complete (and a complete one not yet evaluated), while its
 checkpoint, which is not committed, is still there. --eval --record also writes the replay of each run's first
 evaluated episode (evaluate.py --record) to RUN/replay and RUN/replay_random: episode0.html and NLE's

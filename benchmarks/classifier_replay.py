@@ -5,7 +5,7 @@
 
 Each run's labels go in as the LLM gave them (labels.jsonl order, 25 at a time), the trainer keeps its own
 schedule (`train_now()`), every burst is published and judged by the gate. Each message's steps and pay
-weight (benchmarks/runs.py: what R = 1 would have paid under the count normalization, ~ the episodes it was
+weight (tests/runs.py: what R = 1 would have paid under the count normalization, ~ the episodes it was
 seen in) are the run's final ones from the start, given as a learner batch would (see()). "Pay" weighs each
 labelled message by its pay weight times the R the classifier gives it, "steps" by its steps. Printed per run
 and tree:
@@ -134,7 +134,7 @@ def main():
     sets = [item.split("=", 1) for item in args.set]
     if args.case:
         sys.path.insert(0, args.case)
-        sys.path.insert(1, os.path.join(ROOT, "benchmarks"))
+        sys.path.insert(1, os.path.join(ROOT, "tests"))  # tests/runs.py
         import runs
         print(json.dumps(replay(args.runs[0], args.seed, sets, args.weigh, args.hand or runs.LABEL_SETS)))
         return

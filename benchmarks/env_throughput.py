@@ -18,8 +18,8 @@ import envs  # noqa: E402
 
 
 class RawNLE(base.NLE):
-    """NLE with the same keys and actions, each game seeded from NetHack's side as envs.py does (reset(seed=) seeds
-    only gym's): with fix_moon_phase its moon then follows the seeds, not the clock."""
+    """NLE with the same keys and actions, each game seeded from NetHack's side as envs.py does (reset(seed=)
+    seeds only gym's): with fix_moon_phase its moon then follows the seeds, not the clock."""
 
     def __init__(self, seed):
         super().__init__(observation_keys=envs.OBS_KEYS, actions=envs.ACTIONS, fix_moon_phase=True)

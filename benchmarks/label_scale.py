@@ -1,29 +1,32 @@
-"""Memory and stalls at scale: 1e6 captions and 1e5 pairs through the real LabelClient, Manager, annotator process
-and IntrinsicReward, as the learner thread of oni_appo.learn() drives them.
+"""Memory and stalls at scale: 1e6 captions and 1e5 pairs through the real LabelClient, Manager, annotator
+process and IntrinsicReward, as the learner thread of oni_appo.learn() drives them.
 
-    python benchmarks/label_scale.py                                   # 100k captions, 10k pairs (a few minutes)
+    python benchmarks/label_scale.py  # 100k captions, 10k pairs (a few minutes)
     python benchmarks/label_scale.py --captions 1000000 --pairs 100000 --baseline e6b0946
 
-Each case runs in a process of its own (its peak RSS is its own) and prints the peak RSS (VmHWM) of the learner
-process, the Manager and the annotator; the learner thread's time per update: `intrinsic.rewards()` on a batch of
-synthetic messages (32 x 32 steps, --new-per-update of them new distinct messages, the rest 50 common ones) and
-the label exchange of learn() (intrinsic.exchange(client): client.check(), add_labels(client.new_records()),
-client.request(*label_requests())); and a checkpoint of the reward model (torch.save of
-intrinsic.state_dict()). The cases:
+Each case runs in a process of its own (its peak RSS is its own) and prints the peak RSS (VmHWM) of the
+learner process, the Manager and the annotator; the learner thread's time per update: `intrinsic.rewards()` on
+a batch of synthetic messages (32 x 32 steps, --new-per-update of them new distinct messages, the rest 50
+common ones) and the label exchange of learn() (intrinsic.exchange(client): client.check(),
+add_labels(client.new_records()), client.request(*label_requests())); and a checkpoint of the reward model
+(torch.save of intrinsic.state_dict()). The cases:
 
 - `captions`: --captions distinct captions, classification (--captions-reward), each answered before the next
-  update: the LLM's answers go into the Manager's LabelTable as the annotator's loop puts them (a fast LLM; the
-  annotator runs, its own server unreachable). Then the classifier's lock, held by its trainer thread while the
-  learner waits for it: per training step (minibatch_loss), per idle poll (ready()) and per publication.
-- `unanswered`: --captions captions never answered (the LLM unreachable): then one re-ask sweep (label_requests()
-  and request() once RETRY_S is past, the pickled size of what it sends), and what a restarted annotator is sent.
-- `pairs`: --pairs pairs drawn by ranking (--pairs-per-update a batch instead of 8), each answered through the table.
-- `http`: --http-captions captions answered by benchmarks/fake_openai.py over HTTP through the annotator (the
+  update: the LLM's answers go into the Manager's LabelTable as the annotator's loop puts them (a fast LLM;
+  the annotator runs, its own server unreachable). Then the classifier's lock, held by its trainer thread
+  while the learner waits for it: per training step (minibatch_loss), per idle poll (ready()) and per
+  publication.
+- `unanswered`: --captions captions never answered (the LLM unreachable): then one re-ask sweep
+  (label_requests() and request() once RETRY_S is past, the pickled size of what it sends), and what a
+  restarted annotator is sent.
+- `pairs`: --pairs pairs drawn by ranking (--pairs-per-update a batch instead of 8), each answered through the
+  table.
+- `http`: --http-captions captions answered by tests/fake_openai.py over HTTP through the annotator (the
   whole real path, at the rate this machine gives; the learner waits for the annotator to keep up, untimed).
 
---baseline REV runs the same cases on a git worktree of commit REV (this script, that tree's modules), alternating
-with this tree, and prints both side by side. Only the learner thread's own work is timed; everything runs on the
-machine's cores together, so figures from a shared machine are noisy.
+--baseline REV runs the same cases on a git worktree of commit REV (this script, that tree's modules),
+alternating with this tree, and prints both side by side. Only the learner thread's own work is timed;
+everything runs on the machine's cores together, so figures from a shared machine are noisy.
 """
 import argparse
 import json
@@ -34,9 +37,11 @@ import tempfile
 import time
 
 import common
-import fake_openai
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(1, os.path.join(ROOT, "tests"))  # tests/fake_openai.py, after this folder
+import fake_openai  # noqa: E402
+
 CASES = ("captions", "unanswered", "pairs", "http")
 T, B, COMMON = 32, 32, 50  # a learner batch of 1,024 steps (oni_appo's default), 50 common messages
 OUTSTANDING = 2000  # http: captions asked and not yet answered before the learner waits
@@ -98,10 +103,12 @@ def measure(case, n, opts):
     else:
         url = unreachable_url()
     reward_type = "ranking" if case == "pairs" else opts["captions_reward"]
-    args = SimpleNamespace(reward_type=reward_type, seed=1, labels_from=None, count_beta=3.0, reward_scale=0.1,
-                           reward_clip=10.0, extrinsic_coef=1.0, intrinsic_coef=0.4, raw_ranking=False)
+    args = SimpleNamespace(reward_type=reward_type, seed=1, labels_from=None, count_beta=3.0,
+                           reward_scale=0.1, reward_clip=10.0, extrinsic_coef=1.0, intrinsic_coef=0.4,
+                           raw_ranking=False)
     intrinsic = reward_models.IntrinsicReward(args, torch.device("cpu"))
-    requests = getattr(intrinsic, "requests", intrinsic)  # the label requests: a piece of their own since 95ec1b5
+    # the label requests: a piece of their own since 95ec1b5
+    requests = getattr(intrinsic, "requests", intrinsic)
     client = annotator.LabelClient(SimpleNamespace(prompt_file=None, llm_url=[url], llm_model=None,
                                                    llm_concurrency=opts["llm_concurrency"], llm_threads=None,
                                                    num_workers=0))
@@ -109,14 +116,16 @@ def measure(case, n, opts):
     client.start(run_dir, set())
     while not client.shared_stats.copy():  # the annotator is up (its first turn)
         time.sleep(0.05)
-    common = reward_models.to_rows([f"You hear the footsteps of a guard on patrol {i}." for i in range(COMMON)])
+    common = reward_models.to_rows([f"You hear the footsteps of a guard on patrol {i}."
+                                    for i in range(COMMON)])
     zeros = torch.zeros(T, B)
     counts, terminal = torch.ones(T, B, dtype=torch.int32), torch.zeros(T, B, dtype=torch.bool)
     per_update = opts["new_per_update"]
     updates = -(-n // per_update) if case != "pairs" else -(-n // opts["pairs_per_update"])
     rewards_s, exchange_s, asked, gc_s, since = [], [], 0, [], [0.0]
 
-    def gc_timer(phase, info):  # full collections walk every tracked container of the process: the GIL stops them all
+    # full collections walk every tracked container of the process: the GIL stops them all
+    def gc_timer(phase, info):
         if phase == "start":
             since[0] = time.perf_counter()
         elif info["generation"] == 2:
@@ -124,11 +133,13 @@ def measure(case, n, opts):
     gc.callbacks.append(gc_timer)
     started = time.time()
     for u in range(updates):
-        new = [caption(i) for i in range(u * per_update, min((u + 1) * per_update, n if case != "pairs" else 1 << 62))]
+        new = [caption(i) for i in range(u * per_update, min((u + 1) * per_update,
+                                                             n if case != "pairs" else 1 << 62))]
         rows = torch.cat([reward_models.to_rows(new), common[torch.arange(T * B - len(new)) % COMMON]])
         messages = rows[torch.randperm(T * B, generator=torch.Generator().manual_seed(u))].view(T, B, -1)
         if case == "http":  # the learner waits (untimed) while the annotator is far behind
-            while asked - client.stats().get("labels", 0) > OUTSTANDING and time.time() - started < opts["http_timeout"]:
+            while (asked - client.stats().get("labels", 0) > OUTSTANDING
+                   and time.time() - started < opts["http_timeout"]):
                 time.sleep(0.02)
         t0 = time.perf_counter()
         intrinsic.rewards(zeros, messages, counts, terminal)
@@ -147,12 +158,15 @@ def measure(case, n, opts):
         asked += len(captions) + len(pairs)
         if case in ("captions", "pairs"):  # a fast LLM: every answer in the table before the next update
             entries = [(c, {"caption": c, "label": int(good(c))}) for c in captions] + [
-                (annotator.item_key(tuple(p)), {"pair": list(p), "preference": 1 if good(p[0]) else 2 if good(p[1])
-                                                else None}) for p in pairs]
-            for i in range(0, len(entries), 64):  # as the annotator's loop puts them, a turn's answers at once
+                (annotator.item_key(tuple(p)),
+                 {"pair": list(p), "preference": 1 if good(p[0]) else 2 if good(p[1]) else None})
+                for p in pairs]
+            # as the annotator's loop puts them, a turn's answers at once
+            for i in range(0, len(entries), 64):
                 client.table.put(entries[i:i + 64])
     gc.callbacks.remove(gc_timer)
-    figures = {"updates": updates, "push_s": time.time() - started, "gc_full": len(gc_s), "gc_max_ms": 1e3 * max(gc_s, default=0)}
+    figures = {"updates": updates, "push_s": time.time() - started, "gc_full": len(gc_s),
+               "gc_max_ms": 1e3 * max(gc_s, default=0)}
     if case == "http":  # the last answers
         while asked - client.stats().get("labels", 0) > 0 and time.time() - started < opts["http_timeout"]:
             time.sleep(0.05)
@@ -173,8 +187,10 @@ def measure(case, n, opts):
             again = requests.unanswered()
             figures.update(restart_s=time.perf_counter() - t0, restart_captions=len(again[0]))
         time.sleep(2)  # the queue's feeder thread and the annotator take it in
-    figures["learner_mb"] = vm(os.getpid())  # holding it all (a publication's forward pass below adds its own)
-    if case == "captions" and isinstance(piece, reward_models.Classification):  # the trainer's lock at n labels
+    # holding it all (a publication's forward pass below adds its own)
+    figures["learner_mb"] = vm(os.getpid())
+    # the trainer's lock at n labels
+    if case == "captions" and isinstance(piece, reward_models.Classification):
         piece.lock = lock = TimedLock(piece.lock)
         step_s = []
         for _ in range(3):
@@ -194,8 +210,10 @@ def measure(case, n, opts):
     t0 = time.perf_counter()
     torch.save(intrinsic.state_dict(), path)
     figures.update(checkpoint_s=time.perf_counter() - t0, checkpoint_mb=os.path.getsize(path) / 1e6)
-    figures.update(rewards_ms=1e3 * statistics.median(rewards_s), exchange_ms=1e3 * statistics.median(exchange_s),
-                   exchange_max_ms=1e3 * max(exchange_s), exchange_p99_ms=1e3 * sorted(exchange_s)[int(0.99 * len(exchange_s))])
+    figures.update(rewards_ms=1e3 * statistics.median(rewards_s),
+                   exchange_ms=1e3 * statistics.median(exchange_s),
+                   exchange_max_ms=1e3 * max(exchange_s),
+                   exchange_p99_ms=1e3 * sorted(exchange_s)[int(0.99 * len(exchange_s))])
     figures.update(manager_mb=vm(client.manager._process.pid),
                    annotator_mb=vm(client.process.pid))
     stats = client.stats()
@@ -208,17 +226,21 @@ def measure(case, n, opts):
 
 
 ROWS = [  # (case, figure, format)
-    ("captions", "learner_mb", "learner process peak RSS, MB"), ("captions", "manager_mb", "Manager peak RSS, MB"),
-    ("captions", "annotator_mb", "annotator peak RSS, MB"), ("captions", "rewards_ms", "rewards() per update, median ms"),
+    ("captions", "learner_mb", "learner process peak RSS, MB"),
+    ("captions", "manager_mb", "Manager peak RSS, MB"),
+    ("captions", "annotator_mb", "annotator peak RSS, MB"),
+    ("captions", "rewards_ms", "rewards() per update, median ms"),
     ("captions", "exchange_ms", "label exchange per update, median ms"),
     ("captions", "exchange_max_ms", "label exchange per update, max ms"),
     ("captions", "gc_max_ms", "longest full GC pass in the learner process, ms"),
-    ("captions", "checkpoint_mb", "checkpoint (reward model), MB"), ("captions", "checkpoint_s", "checkpoint, s"),
+    ("captions", "checkpoint_mb", "checkpoint (reward model), MB"),
+    ("captions", "checkpoint_s", "checkpoint, s"),
     ("captions", "lock_step_s", "classifier lock per training step, ms"),
     ("captions", "lock_poll_s", "classifier lock per idle poll, ms"),
     ("captions", "lock_publish_s", "classifier lock per publication, ms"),
     ("captions", "publish_s", "one publication (copy + gate), s"),
-    ("unanswered", "learner_mb", "learner process peak RSS, MB"), ("unanswered", "manager_mb", "Manager peak RSS, MB"),
+    ("unanswered", "learner_mb", "learner process peak RSS, MB"),
+    ("unanswered", "manager_mb", "Manager peak RSS, MB"),
     ("unanswered", "annotator_mb", "annotator peak RSS, MB"),
     ("unanswered", "exchange_ms", "label exchange per update, median ms"),
     ("unanswered", "exchange_max_ms", "label exchange per update, max ms"),
@@ -226,12 +248,16 @@ ROWS = [  # (case, figure, format)
     ("unanswered", "sweep_s", "one re-ask sweep (learner thread), s"),
     ("unanswered", "sweep_captions", "captions it sends"), ("unanswered", "sweep_mb", "...pickled, MB"),
     ("unanswered", "restart_s", "unanswered() for a restarted annotator, s"),
-    ("unanswered", "checkpoint_mb", "checkpoint (reward model), MB"), ("unanswered", "checkpoint_s", "checkpoint, s"),
+    ("unanswered", "checkpoint_mb", "checkpoint (reward model), MB"),
+    ("unanswered", "checkpoint_s", "checkpoint, s"),
     ("pairs", "learner_mb", "learner process peak RSS, MB"), ("pairs", "manager_mb", "Manager peak RSS, MB"),
-    ("pairs", "annotator_mb", "annotator peak RSS, MB"), ("pairs", "exchange_ms", "label exchange per update, median ms"),
-    ("pairs", "exchange_max_ms", "label exchange per update, max ms"), ("pairs", "pairs_answered", "pairs trained on"),
+    ("pairs", "annotator_mb", "annotator peak RSS, MB"),
+    ("pairs", "exchange_ms", "label exchange per update, median ms"),
+    ("pairs", "exchange_max_ms", "label exchange per update, max ms"),
+    ("pairs", "pairs_answered", "pairs trained on"),
     ("pairs", "checkpoint_mb", "checkpoint (reward model), MB"), ("pairs", "checkpoint_s", "checkpoint, s"),
-    ("http", "labels_per_s", "labels/s over HTTP (fake LLM)"), ("http", "learner_mb", "learner process peak RSS, MB"),
+    ("http", "labels_per_s", "labels/s over HTTP (fake LLM)"),
+    ("http", "learner_mb", "learner process peak RSS, MB"),
     ("http", "manager_mb", "Manager peak RSS, MB"), ("http", "annotator_mb", "annotator peak RSS, MB"),
     ("http", "exchange_ms", "label exchange per update, median ms"),
     ("http", "exchange_max_ms", "label exchange per update, max ms"),
@@ -249,20 +275,25 @@ def show(value, key):
 
 
 def run_case(tree, case, n, args):
-    opts = {k: getattr(args, k) for k in ("new_per_update", "pairs_per_update", "captions_reward", "llm_concurrency",
-                                          "http_timeout")}
+    opts = {k: getattr(args, k) for k in ("new_per_update", "pairs_per_update", "captions_reward",
+                                          "llm_concurrency", "http_timeout")}
     command = [sys.executable, os.path.abspath(__file__), "--measure", json.dumps([tree, case, n, opts])]
     return common.run_json(command, tree, case)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--captions", type=int, default=100_000, help="distinct captions (captions, unanswered)")
+    parser.add_argument("--captions", type=int, default=100_000,
+                        help="distinct captions (captions, unanswered)")
     parser.add_argument("--pairs", type=int, default=10_000, help="pairs asked by ranking")
-    parser.add_argument("--http-captions", type=int, default=5_000, help="captions answered over HTTP (0: no http case)")
-    parser.add_argument("--new-per-update", type=int, default=512, help="new distinct messages in a batch of 1,024 steps")
-    parser.add_argument("--pairs-per-update", type=int, default=100, help="pairs ranking draws a batch (oni_appo: 8)")
-    parser.add_argument("--captions-reward", default="classification", choices=("classification", "retrieval"))
+    parser.add_argument("--http-captions", type=int, default=5_000,
+                        help="captions answered over HTTP (0: no http case)")
+    parser.add_argument("--new-per-update", type=int, default=512,
+                        help="new distinct messages in a batch of 1,024 steps")
+    parser.add_argument("--pairs-per-update", type=int, default=100,
+                        help="pairs ranking draws a batch (oni_appo: 8)")
+    parser.add_argument("--captions-reward", default="classification",
+                        choices=("classification", "retrieval"))
     parser.add_argument("--llm-concurrency", type=int, default=256)
     parser.add_argument("--http-timeout", type=float, default=600.0, help="seconds the http case may take")
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=CASES)
@@ -275,7 +306,8 @@ def main():
         print(json.dumps(measure(case, n, opts)))
         return
     trees = common.trees(args.baseline)
-    sizes = {"captions": args.captions, "unanswered": args.captions, "pairs": args.pairs, "http": args.http_captions}
+    sizes = {"captions": args.captions, "unanswered": args.captions, "pairs": args.pairs,
+             "http": args.http_captions}
     cases = [c for c in args.cases if sizes[c] > 0]
     print(f"{os.cpu_count()} cores; cases: " + ", ".join(f"{c} {sizes[c]:,}" for c in cases) +
           f"; {args.new_per_update} new messages per update of {T * B:,} steps", flush=True)

@@ -3,16 +3,17 @@
     python benchmarks/label_throughput.py          # latency 2 s; --llm-concurrency 4, then 64; 80 s each
     python benchmarks/label_throughput.py --concurrency 512 1024 --messages RUN_DIR/messages.tsv
 
-An LLM server is stood in for by benchmarks/fake_openai.py with a fixed latency per request (--latency,
+An LLM server is stood in for by tests/fake_openai.py with a fixed latency per request (--latency,
 2 s: an 8B instruct model reasoning before it answers, on a vLLM that batches all the requests it
 gets). The distinct messages of a recorded run (messages.tsv: message, steps, ...; by default the
 reward-free 1M-step runs of learning_curves.py under results/five_1m/) arrive as they
 would in a run at --steps-per-s: (distinct messages / steps of the recorded run) x steps-per-s new
 ones a second, evenly spaced, in a random order (once all were shown they come again, made new by a
 suffix). A real run finds new messages faster at first and slower later: this is its average rate.
-Without a messages.tsv the messages are synthetic, at --distinct-per-step, and the output says so. The learner's side is the real one: a LabelClient (the annotator subprocess and its
-Manager) is asked each new message once and again after 60 s while unanswered, as
-reward_models.py does, and its labels are read with new_records() every 0.1 s.
+Without a messages.tsv the messages are synthetic, at --distinct-per-step, and the output says so. The
+learner's side is the real one: a LabelClient (the annotator subprocess and its Manager) is asked each new
+message once and again after 60 s while unanswered, as reward_models.py does, and its labels are read with
+new_records() every 0.1 s.
 
 For each --concurrency it prints labels/s over the run, and for the messages first seen in the first
 (seconds - 60) s (each one watched for a full minute): the share labelled within 60 s of first sight
@@ -28,7 +29,7 @@ import time
 from types import SimpleNamespace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]  # the method; tests/fake_openai.py
 
 import annotator  # noqa: E402
 from fake_openai import FakeOpenAI  # noqa: E402
@@ -94,26 +95,32 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--messages", default=None, help=f"a messages.tsv (default: the first of {RECORDED})")
     parser.add_argument("--distinct-per-step", type=float, default=0.008,
-                        help="the synthetic stream's rate, without a messages.tsv (default: a recorded run's)")
+                        help="the synthetic stream's rate, without a messages.tsv (default: a recorded "
+                             "run's)")
     parser.add_argument("--steps-per-s", type=float, default=30_000)
-    parser.add_argument("--latency", type=float, default=2.0, help="seconds the fake server takes per request")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[4, 64], help="--llm-concurrency values")
+    parser.add_argument("--latency", type=float, default=2.0,
+                        help="seconds the fake server takes per request")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[4, 64],
+                        help="--llm-concurrency values")
     parser.add_argument("--seconds", type=float, default=80.0, help="length of each run (> 60)")
     args = parser.parse_args()
-    path = args.messages or next((p for p in (os.path.join(ROOT, r) for r in RECORDED) if os.path.exists(p)), None)
+    path = args.messages or next((p for p in (os.path.join(ROOT, r) for r in RECORDED) if os.path.exists(p)),
+                                 None)
     if path:
         messages, steps = recorded_messages(path)
         source = f"{len(messages):,} distinct messages in {steps:,} steps of {os.path.relpath(path, ROOT)}"
     else:
         messages = [f"You see here {i} gold pieces." for i in range(100_000)]
         steps = round(len(messages) / args.distinct_per_step)
-        source = f"SYNTHETIC messages (no messages.tsv): an assumed {args.distinct_per_step} distinct messages a step"
+        source = (f"SYNTHETIC messages (no messages.tsv): an assumed {args.distinct_per_step} distinct "
+                  "messages a step")
     random.seed(0)
     random.shuffle(messages)
     rate = len(messages) / steps * args.steps_per_s
-    print(f"{source}\n-> {rate:.1f} new distinct messages/s at {args.steps_per_s:,.0f} steps/s; fake LLM server: "
-          f"{args.latency:.1f} s a request, chat prompts; {args.seconds:.0f} s a run", flush=True)
-    print(f"   (by Little's law, keeping up needs >= {rate * args.latency:.0f} requests in flight)", flush=True)
+    print(f"{source}\n-> {rate:.1f} new distinct messages/s at {args.steps_per_s:,.0f} steps/s; fake LLM "
+          f"server: {args.latency:.1f} s a request, chat prompts; {args.seconds:.0f} s a run", flush=True)
+    print(f"   (by Little's law, keeping up needs >= {rate * args.latency:.0f} requests in flight)",
+          flush=True)
     server = FakeOpenAI(model="fake-instruct").start()
     server.delay = args.latency
     try:
@@ -123,10 +130,11 @@ def main():
             waits = sorted(labelled[m] - first_seen[m] if m in labelled else float("inf") for m in cohort)
             within = sum(w <= WINDOW_S for w in waits) / len(waits)
             fmt = lambda w: f"{w:.1f} s" if w != float("inf") else "not labelled"
-            print(f"--llm-concurrency {concurrency}: {len(labelled) / args.seconds:.1f} labels/s (request latency "
-                  f"p50 {stats.get('latency_p50', 0):.2f} s, {stats.get('failures', 0)} failures, "
+            print(f"--llm-concurrency {concurrency}: {len(labelled) / args.seconds:.1f} labels/s (request "
+                  f"latency p50 {stats.get('latency_p50', 0):.2f} s, {stats.get('failures', 0)} failures, "
                   f"{stats.get('dropped', 0)} dropped from the backlog)\n"
-                  f"    of the {len(cohort):,} messages first seen in its first {args.seconds - WINDOW_S:.0f} s: "
+                  f"    of the {len(cohort):,} messages first seen in its first "
+                  f"{args.seconds - WINDOW_S:.0f} s: "
                   f"{within:.1%} labelled within {WINDOW_S:.0f} s; first sight to label p50 "
                   f"{fmt(waits[len(waits) // 2])}, p95 {fmt(waits[int(len(waits) * 0.95)])} -> goal "
                   f"{'MET' if within == 1.0 else 'not met'}", flush=True)

@@ -5,7 +5,7 @@
     python benchmarks/learner_time.py --update --threads 1 --bf16
 
 Training runs (the default): `--reward-type none` and `ranking` (its LLM an instant stub server in a process
-of its own, benchmarks/fake_openai.py), one after the other. Each function of the learner's loop (oni_appo.py:
+of its own, tests/fake_openai.py), one after the other. Each function of the learner's loop (oni_appo.py:
 next_batch - waiting for rollouts -, take_batch, the intrinsic reward, add_intrinsic_episodes, update_policy;
 the label intake: LabelClient.check, new_records, request, LabelRequests.add_labels, label_requests) is
 wrapped with a timer; the table is ms per update. What ranking adds to none there is ONI's cost on the
@@ -37,7 +37,7 @@ import time
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]  # the method; tests/fake_openai.py
 # Training runs time the learner as it trains, under the OMP_WAIT_POLICY=PASSIVE that oni_appo sets before
 # torch loads; --update's figures were taken under torch's own policy, so there torch loads first.
 if "--update" in sys.argv:
@@ -51,10 +51,11 @@ import torch  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 SPENT = collections.defaultdict(float)
-TIMED = [(oni_appo, name) for name in ("next_batch", "take_batch", "add_intrinsic_episodes", "update_policy")] + [
-    (annotator.LabelClient, name) for name in ("check", "new_records", "request")] + [
-    (reward_models.IntrinsicReward, "rewards")] + [
-    (reward_models.LabelRequests, name) for name in ("add_labels", "label_requests")]
+TIMED = ([(oni_appo, name) for name in ("next_batch", "take_batch", "add_intrinsic_episodes",
+                                        "update_policy")]
+         + [(annotator.LabelClient, name) for name in ("check", "new_records", "request")]
+         + [(reward_models.IntrinsicReward, "rewards")]
+         + [(reward_models.LabelRequests, name) for name in ("add_labels", "label_requests")])
 
 
 def timed(function, key):
@@ -70,21 +71,24 @@ def timed(function, key):
 def time_runs(args):
     """The learner's functions timed in a `none` and a `ranking` run: their ms per update."""
     for owner, name in TIMED:
-        setattr(owner, name, timed(getattr(owner, name), f"{getattr(owner, '__name__', '')}.{name}".lstrip(".")))
+        setattr(owner, name, timed(getattr(owner, name),
+                                   f"{getattr(owner, '__name__', '')}.{name}".lstrip(".")))
     stub, url = fake_openai.serve_apart()  # not on the learner's GIL
     columns = {}
     for kind, extra in (("none", []), ("ranking", ["--llm-url", url])):
         SPENT.clear()
         summary = oni_appo.train(oni_appo.parse_args(
-            ["--reward-type", kind, *extra, "--total-env-steps", str(args.steps), "--num-workers", str(args.num_workers),
-             "--run-dir", tempfile.mkdtemp(prefix="oni-learner-time-"), "--checkpoint-every-s", "1e9",
+            ["--reward-type", kind, *extra, "--total-env-steps", str(args.steps), "--num-workers",
+             str(args.num_workers), "--run-dir", tempfile.mkdtemp(prefix="oni-learner-time-"),
+             "--checkpoint-every-s", "1e9",
              *args.oni_args.split()]))
         columns[kind] = {key: 1e3 * value / summary["updates"] for key, value in SPENT.items()}
         columns[kind]["steps/s"] = summary.get("session_sps", summary["sps"])  # collected a second
     stub.stdin.close()
     stub.wait()
     print(f"| ms per update | none | ranking |\n|---|---|---|")
-    for key in sorted(set(columns["none"]) | set(columns["ranking"]), key=lambda k: -columns["ranking"].get(k, 0)):
+    for key in sorted(set(columns["none"]) | set(columns["ranking"]),
+                      key=lambda k: -columns["ranking"].get(k, 0)):
         print(f"| {key} | {columns['none'].get(key, 0):.1f} | {columns['ranking'].get(key, 0):.1f} |")
 
 
@@ -104,7 +108,8 @@ def real_batch(args, rollout=32):
     batch = {"obs": {k: v.view(*shape, *v.shape[1:]) for k, v in stacked.items()},
              "h0": torch.zeros(envs_per_rollout, 512),
              "action": torch.from_numpy(rng.integers(len(envs.ACTIONS), size=(rollout, envs_per_rollout))),
-             "logprob": torch.full((rollout, envs_per_rollout), -np.log(len(envs.ACTIONS)), dtype=torch.float32),
+             "logprob": torch.full((rollout, envs_per_rollout), -np.log(len(envs.ACTIONS)),
+                                   dtype=torch.float32),
              "end": torch.zeros(rollout, envs_per_rollout, dtype=torch.int8)}
     batch["end"][10, ::3] = oni_appo.End.TERMINATED  # some episode ends inside the rollouts
     return batch, torch.from_numpy(rng.normal(0, 0.1, (rollout, envs_per_rollout)).astype(np.float32))
@@ -122,7 +127,8 @@ def time_update(args):
     flat_obs = {k: v.flatten(0, 1) for k, v in batch["obs"].items()}
     times = {name: [] for name in ("encoder forward", "forward + loss", "backward", "clip + Adam step",
                                    "weights to the acting agent")}
-    matmul_rates = []  # a burst of matrix products after each update: the same load as the update it is compared to
+    # a burst of matrix products after each update: the same load as the update it is compared to
+    matmul_rates = []
     for update in range(3 + args.updates):
         marks = [time.perf_counter()]
         with torch.no_grad():
@@ -157,11 +163,13 @@ def time_update(args):
         loss.backward()
     update_gflop, matmul = counter.get_total_flops() / 1e9, float(np.median(matmul_rates))
     rate = update_gflop / (update_ms / 1e3)
-    print(f"arithmetic: {update_gflop:.3f} GFLOP per update (matrix products and convolutions) = {rate:.0f} GFLOP/s; "
-          f"a 1024x1024 matrix product: {matmul:.0f} GFLOP/s on the same threads = {rate / matmul:.0%} of it; "
-          f"with its operations at matrix-product speed the update would be {matmul / rate:.2f}x faster")
+    print(f"arithmetic: {update_gflop:.3f} GFLOP per update (matrix products and convolutions) = {rate:.0f} "
+          f"GFLOP/s; a 1024x1024 matrix product: {matmul:.0f} GFLOP/s on the same threads = "
+          f"{rate / matmul:.0%} of it; with its operations at matrix-product speed the update would be "
+          f"{matmul / rate:.2f}x faster")
     with torch.no_grad():
-        per_step = {n: inference_us(acting_agent, {k: v[:n] for k, v in flat_obs.items()}) for n in (8, 16, 32, 64, 128)
+        per_step = {n: inference_us(acting_agent, {k: v[:n] for k, v in flat_obs.items()})
+                    for n in (8, 16, 32, 64, 128)
                     if n <= len(flat_obs["chars"])}
     print("inference (Agent.step, no grad), us per env step by batch size: " +
           ", ".join(f"{n}: {us:.0f}" for n, us in per_step.items()))
@@ -180,8 +188,8 @@ def inference_us(agent, obs, repeats=20):
 
 
 def compare_bf16(agent, batch, rewards, train_args, updates):
-    """Forward + backward in float32 and under bf16 autocast, alternated (the box's load moves); their losses and
-    the gradients' relative difference on the same weights."""
+    """Forward + backward in float32 and under bf16 autocast, alternated (the box's load moves); their losses
+    and the gradients' relative difference on the same weights."""
     times, losses, grads = {False: [], True: []}, {}, {}
     for update in range(2 + updates):
         for bf16 in (False, True):
@@ -196,9 +204,9 @@ def compare_bf16(agent, batch, rewards, train_args, updates):
             grads[bf16] = torch.cat([p.grad.flatten() for p in agent.parameters()])
     fp32_ms, bf16_ms = (1e3 * float(np.median(times[bf16])) for bf16 in (False, True))
     grad_error = ((grads[True] - grads[False]).norm() / grads[False].norm()).item()
-    print(f"forward + backward: float32 {fp32_ms:.0f} ms, loss {losses[False]:.6f}; bfloat16 autocast {bf16_ms:.0f} ms, "
-          f"loss {losses[True]:.6f}: {fp32_ms / bf16_ms:.2f}x faster, loss off by {abs(losses[True] / losses[False] - 1):.1e}, "
-          f"gradient off by {grad_error:.1e} (relative norm)")
+    print(f"forward + backward: float32 {fp32_ms:.0f} ms, loss {losses[False]:.6f}; bfloat16 autocast "
+          f"{bf16_ms:.0f} ms, loss {losses[True]:.6f}: {fp32_ms / bf16_ms:.2f}x faster, loss off by "
+          f"{abs(losses[True] / losses[False] - 1):.1e}, gradient off by {grad_error:.1e} (relative norm)")
 
 
 def matmul_gflops(n=1024, repeats=5):

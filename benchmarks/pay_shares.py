@@ -14,10 +14,13 @@ messages paid most, with their shares. A config directory stands for its seed* r
 their means."""
 import argparse
 import os
+import sys
 
 import numpy as np
 
-import runs
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(1, os.path.join(ROOT, "tests"))  # tests/runs.py, after this folder
+import runs  # noqa: E402
 
 COLUMNS = ("LLM helpful", "LLM unhelpful", "never labelled", "hand helpful", "hand unhelpful", "deaths")
 

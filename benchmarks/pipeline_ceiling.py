@@ -1,24 +1,26 @@
-"""The pipeline's own ceiling: oni_appo's training loop with a null env and a policy that costs nearly nothing.
+"""The pipeline's own ceiling: oni_appo's training loop with a null env and a nearly free policy.
 
-    python benchmarks/pipeline_ceiling.py                                  # 2 workers x 16/64/256 envs x 3 batch sizes
-    python benchmarks/pipeline_ceiling.py --num-workers 2 16 --num-envs-per-worker 256 --batch-size 16384 --seconds 10
-    python benchmarks/pipeline_ceiling.py --baseline bfa849a --repeats 3     # side by side with that commit
+    python benchmarks/pipeline_ceiling.py  # 2 workers x 16/64/256 envs x 3 batch sizes
+    python benchmarks/pipeline_ceiling.py --num-workers 2 16 --num-envs-per-worker 256 --batch-size 16384 \
+        --seconds 10
+    python benchmarks/pipeline_ceiling.py --baseline bfa849a --repeats 3  # side by side with that commit
 
 All of `oni_appo.train()` runs as in training (the learner's process: learn, next_batch, take_batch,
-IntrinsicReward.rewards() of --reward-type none, add_intrinsic_episodes, the update, the weights' hand-over, logs, the
-last checkpoint; the acting process: collect, receive, act, hand_over; its spawned env workers writing halves of their
-envs into the shared buffers) but for two pieces: the workers' `envs.make_env` builds `NullEnv`s, and
-`oni_appo.Agent` is `FreeAgent`. What is left is the coordination that neither a faster env nor a GPU can speed up.
-Each grid point is a fresh train() in a process of its own, measured for --seconds from --warmup seconds after its
-first update: env steps/s; CPU us per env step of acting + learning, of acting alone, of learning alone, and of the
-env workers (all of them); the cores acting + learning kept busy; the mean policy lag (in updates) of the steps
-learned in that window. (Before the learner had a process of its own, acting was the main thread and learning a
-thread beside it, under one GIL: each tree is measured by its own copy of this script, which knows its structure.)
+IntrinsicReward.rewards() of --reward-type none, add_intrinsic_episodes, the update, the weights' hand-over,
+logs, the last checkpoint; the acting process: collect, receive, act, hand_over; its spawned env workers
+writing halves of their envs into the shared buffers) but for two pieces: the workers' `envs.make_env` builds
+`NullEnv`s, and `oni_appo.Agent` is `FreeAgent`. What is left is the coordination that neither a faster env
+nor a GPU can speed up. Each grid point is a fresh train() in a process of its own, measured for --seconds
+from --warmup seconds after its first update: env steps/s; CPU us per env step of acting + learning, of acting
+alone, of learning alone, and of the env workers (all of them); the cores acting + learning kept busy; the
+mean policy lag (in updates) of the steps learned in that window. (Before the learner had a process of its
+own, acting was the main thread and learning a thread beside it, under one GIL: each tree is measured by its
+own copy of this script, which knows its structure.)
 
---baseline REV runs the same grid from a git worktree of commit REV (one that has this script: e0b6387 or later),
-alternating with this tree point by point (--repeats times each), and prints both and their ratio. The ESTIMATE at the end scales the measured per-step costs
-to --cores cores with NLE at --nle-sps steps/s per worker core, its assumptions printed with it. On a machine
-shared with other work the figures are noisy.
+--baseline REV runs the same grid from a git worktree of commit REV (one that has this script: e0b6387 or
+later), alternating with this tree point by point (--repeats times each), and prints both and their ratio. The
+ESTIMATE at the end scales the measured per-step costs to --cores cores with NLE at --nle-sps steps/s per
+worker core, its assumptions printed with it. On a machine shared with other work the figures are noisy.
 """
 import argparse
 import itertools
@@ -31,7 +33,8 @@ import threading
 import time
 from types import SimpleNamespace
 
-if "--measure" in sys.argv:  # as this tree's oni_appo.py sets it before torch loads (not for a baseline's measure)
+# as this tree's oni_appo.py sets it before torch loads (not for a baseline's measure)
+if "--measure" in sys.argv:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -48,16 +51,17 @@ FIGURES = (("sps", "steps/s", "{:,.0f}"), ("process_us", "acting + learning us/s
 
 
 class NullEnv:
-    """envs.NetHackTask at nearly no cost: its observation keys, shapes and dtypes (the arrays filled in place, as NLE
-    does), `info["message_count"]` every step, `info["episode"]` at the end, which comes every ~1,000 steps (staggered
-    by seed so that envs do not end together). Half the steps show one of 32 distinct messages, the others none, so
-    that the learner's distinct-message bookkeeping has work to do."""
+    """envs.NetHackTask at nearly no cost: its observation keys, shapes and dtypes (the arrays filled in
+    place, as NLE does), `info["message_count"]` every step, `info["episode"]` at the end, which comes every
+    ~1,000 steps (staggered by seed so that envs do not end together). Half the steps show one of 32 distinct
+    messages, the others none, so that the learner's distinct-message bookkeeping has work to do."""
     SPEC = {"glyphs": ((21, 79), np.int16), "chars": ((21, 79), np.uint8), "colors": ((21, 79), np.uint8),
             "blstats": ((27,), np.int64), "message": ((256,), np.uint8)}
-    MESSAGES = np.frombuffer(b"".join(f"You hear the footsteps of a guard on patrol {i}.".encode().ljust(256, b"\0")
-                                      if i % 2 else bytes(256) for i in range(64)), np.uint8).reshape(64, 256)
-    EPISODE = {"return": 0.0, "success": 0.0, "score": 0, "depth": 1, "dlvl": 1, "xlvl": 1, "gold": 0, "kills": 0,
-               "explored": 0, "end": "died", "end_text": "You die..."}
+    MESSAGES = np.frombuffer(b"".join(
+        f"You hear the footsteps of a guard on patrol {i}.".encode().ljust(256, b"\0")
+        if i % 2 else bytes(256) for i in range(64)), np.uint8).reshape(64, 256)
+    EPISODE = {"return": 0.0, "success": 0.0, "score": 0, "depth": 1, "dlvl": 1, "xlvl": 1, "gold": 0,
+               "kills": 0, "explored": 0, "end": "died", "end_text": "You die..."}
 
     def __init__(self, task, seed=0, **kwargs):
         self.obs = {k: np.zeros(shape, dtype) for k, (shape, dtype) in self.SPEC.items()}
@@ -85,8 +89,8 @@ class NullEnv:
 
 
 class FreeAgent(nn.Module):
-    """oni_appo.Agent's interface (step, unroll, gru.hidden_size) at nearly no cost: the logits and the value are two
-    parameters, whatever the observation, and the GRU state passes through."""
+    """oni_appo.Agent's interface (step, unroll, gru.hidden_size) at nearly no cost: the logits and the value
+    are two parameters, whatever the observation, and the GRU state passes through."""
 
     def __init__(self):
         import envs  # the measured tree's (on sys.path by now)
@@ -94,8 +98,10 @@ class FreeAgent(nn.Module):
         self.logits, self.value = nn.Parameter(torch.zeros(len(envs.ACTIONS))), nn.Parameter(torch.zeros(()))
         self.gru = SimpleNamespace(hidden_size=512)  # the state size oni_appo's buffers keep h0 in
 
-    def step(self, obs, h):  # repeat, not expand: a view of a parameter, even under no_grad, would carry its graph
-        return self.logits.repeat(len(h), 1), self.value.repeat(len(h)), h  # into the buffers (as act's log-probs)
+    def step(self, obs, h):
+        # repeat, not expand: a view of a parameter, even under no_grad, would carry its graph into the
+        # buffers (as act's log-probs)
+        return self.logits.repeat(len(h), 1), self.value.repeat(len(h)), h
 
     fast_step = step  # oni_appo.act's entry (a CUDA graph of step there)
 
@@ -105,8 +111,9 @@ class FreeAgent(nn.Module):
 
 
 def null_env_worker(*args):
-    """The target of each spawned worker: oni_appo's own env_worker, in a process where envs.make_env builds NullEnvs.
-    A patch in the parent does not reach a spawned process; this function, pickled by name, runs in it."""
+    """The target of each spawned worker: oni_appo's own env_worker, in a process where envs.make_env builds
+    NullEnvs. A patch in the parent does not reach a spawned process; this function, pickled by name, runs in
+    it."""
     import envs
     import oni_appo
     envs.make_env = NullEnv
@@ -114,7 +121,8 @@ def null_env_worker(*args):
 
 
 def null_act_process(*args):
-    """The acting process's target: oni_appo's own, acting with FreeAgent, its workers spawned as null_env_worker."""
+    """The acting process's target: oni_appo's own, acting with FreeAgent, its workers spawned as
+    null_env_worker."""
     import oni_appo
     oni_appo.Agent, oni_appo.env_worker = FreeAgent, null_env_worker
     oni_appo.act_process(*args)
@@ -132,7 +140,8 @@ def children(pid):
 
 
 def measure(workers, envs_per_worker, batch_size, opts):
-    """One grid point: oni_appo.train() in this process (the learner's) with NullEnv and FreeAgent; its figures."""
+    """One grid point: oni_appo.train() in this process (the learner's) with NullEnv and FreeAgent; its
+    figures."""
     if opts["threads"]:
         torch.set_num_threads(opts["threads"])
     import oni_appo
@@ -140,8 +149,10 @@ def measure(workers, envs_per_worker, batch_size, opts):
 
     def snapshot(run):
         acting = run.acting.pid
-        return np.array([time.perf_counter(), run.tally.counters["collected_steps"], run.tally.sums["lag_sum"], run.tally.sums["lag_steps"],
-                         time.process_time(), process_cpu_s(acting), sum(map(process_cpu_s, children(acting)))])
+        return np.array([time.perf_counter(), run.tally.counters["collected_steps"],
+                         run.tally.sums["lag_sum"], run.tally.sums["lag_steps"],
+                         time.process_time(), process_cpu_s(acting),
+                         sum(map(process_cpu_s, children(acting)))])
 
     def window(run):  # steady state: from --warmup seconds after the first update, for --seconds
         while run.tally.counters["updates"] < 1 and not run.stop.value:
@@ -152,8 +163,8 @@ def measure(workers, envs_per_worker, batch_size, opts):
         wall, steps, lag_sum, lag_steps, learner, acting, workers_cpu = snapshot(run) - first
         run.stop.value = 1
         us = lambda seconds: 1e6 * seconds / max(steps, 1)
-        figures.update(sps=steps / wall, process_us=us(learner + acting), main_us=us(acting), learner_us=us(learner),
-                       workers_us=us(workers_cpu), cores=(learner + acting) / wall,
+        figures.update(sps=steps / wall, process_us=us(learner + acting), main_us=us(acting),
+                       learner_us=us(learner), workers_us=us(workers_cpu), cores=(learner + acting) / wall,
                        lag=lag_sum / lag_steps if lag_steps else None, processes=2)
 
     def learn_here(run):
@@ -163,14 +174,15 @@ def measure(workers, envs_per_worker, batch_size, opts):
     oni_appo.Agent, oni_appo.act_process, oni_appo.learn = FreeAgent, null_act_process, learn_here
     with tempfile.TemporaryDirectory(prefix="pipeline-ceiling-") as run_dir:
         oni_appo.train(oni_appo.parse_args([
-            "--reward-type", "none", "--num-workers", str(workers), "--num-envs-per-worker", str(envs_per_worker),
-            "--batch-size", str(batch_size), "--rollout", str(ROLLOUT), "--device", opts["device"],
-            "--checkpoint-every-s", "1e9", "--run-dir", run_dir]))
+            "--reward-type", "none", "--num-workers", str(workers), "--num-envs-per-worker",
+            str(envs_per_worker), "--batch-size", str(batch_size), "--rollout", str(ROLLOUT), "--device",
+            opts["device"], "--checkpoint-every-s", "1e9", "--run-dir", run_dir]))
     return figures
 
 
 def run_point(tree, point, opts):
-    script = os.path.join(tree, "benchmarks", os.path.basename(__file__))  # the tree's own: it knows its processes
+    # the tree's own: it knows its processes
+    script = os.path.join(tree, "benchmarks", os.path.basename(__file__))
     command = [sys.executable, script, "--measure", json.dumps([tree, *point, opts])]
     return common.run_json(command, tree, "x".join(map(str, point)))
 
@@ -185,10 +197,10 @@ def mean(runs, key):
 
 
 def estimate(point, figures, args):
-    """(env workers, their bound, acting + learning's bound, steps/s, policy lag) on --cores cores. Steps/s: the lesser
-    bound. Acting + learning: a tree that runs them in one process under one GIL gets one core and their costs add
-    up; one with a process each gets a core each and the slower bounds. The lag: the measured one plus the added
-    workers' steps in flight (half a rollout each, on average) over the batch."""
+    """(env workers, their bound, acting + learning's bound, steps/s, policy lag) on --cores cores. Steps/s:
+    the lesser bound. Acting + learning: a tree that runs them in one process under one GIL gets one core and
+    their costs add up; one with a process each gets a core each and the slower bounds. The lag: the measured
+    one plus the added workers' steps in flight (half a rollout each, on average) over the batch."""
     workers, envs_per_worker, batch_size = point
     split = figures["processes"] == 2
     env_workers = args.cores - 1 - split
@@ -206,13 +218,18 @@ def main():
     parser.add_argument("--batch-size", type=int, nargs="+", default=[1024, 4096, 16384],
                         help="points where it is no multiple of rollout * envs per worker / 2 are skipped")
     parser.add_argument("--seconds", type=float, default=5.0, help="measured seconds per point")
-    parser.add_argument("--warmup", type=float, default=1.0, help="seconds after the first update before measuring")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads of the main process (default: torch's)")
-    parser.add_argument("--device", default="cpu", help="oni_appo's --device (cuda: the copies to the GPU count)")
+    parser.add_argument("--warmup", type=float, default=1.0,
+                        help="seconds after the first update before measuring")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads of the main process (default: torch's)")
+    parser.add_argument("--device", default="cpu",
+                        help="oni_appo's --device (cuda: the copies to the GPU count)")
     parser.add_argument("--baseline", default=None, help="a commit to measure side by side (a git worktree)")
-    parser.add_argument("--repeats", type=int, default=1, help="runs of each tree per point (figures: their mean)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs of each tree per point (figures: their mean)")
     parser.add_argument("--cores", type=int, default=16, help="cores of the machine the ESTIMATE is for")
-    parser.add_argument("--nle-sps", type=float, default=16_000, help="NLE steps/s of one worker core, for the ESTIMATE")
+    parser.add_argument("--nle-sps", type=float, default=16_000,
+                        help="NLE steps/s of one worker core, for the ESTIMATE")
     parser.add_argument("--measure", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.measure:
@@ -228,30 +245,35 @@ def main():
           f"{args.seconds:g} s a point; grid (workers x envs per worker x batch): "
           + ", ".join("x".join(map(str, p)) for p in grid), flush=True)
     results = {}
-    for point, _, (name, tree) in itertools.product(grid, range(args.repeats), trees.items()):  # trees alternate
+    # the trees alternate
+    for point, _, (name, tree) in itertools.product(grid, range(args.repeats), trees.items()):
         figures = run_point(tree, point, opts)
         results.setdefault((point, name), []).append(figures)
         print(f"  {'x'.join(map(str, point)):12s} {name:18s} " +
               " ".join(f"{k}={show(figures[k], form)}" for k, _, form in FIGURES), flush=True)
-    print("\n| workers x envs x batch | tree | " + " | ".join(label for _, label, _ in FIGURES) + " |\n|---|---|"
-          + "---|" * len(FIGURES))
-    means = {key: {k: mean(runs, k) for k in [k for k, _, _ in FIGURES] + ["processes"]} for key, runs in results.items()}
+    print("\n| workers x envs x batch | tree | " + " | ".join(label for _, label, _ in FIGURES)
+          + " |\n|---|---|" + "---|" * len(FIGURES))
+    means = {key: {k: mean(runs, k) for k in [k for k, _, _ in FIGURES] + ["processes"]}
+             for key, runs in results.items()}
     for point in grid:
         label = "x".join(map(str, point))
         for name in trees:
-            print(f"| {label} | {name} | " + " | ".join(show(means[point, name][k], form) for k, _, form in FIGURES) + " |")
+            print(f"| {label} | {name} | "
+                  + " | ".join(show(means[point, name][k], form) for k, _, form in FIGURES) + " |")
         if args.baseline:
             before, now = (means[point, name] for name in trees)
             print(f"| {label} | now / before | " + " | ".join(
-                show(now[k] / before[k] if now[k] and before[k] else None, "{:.2f}") for k, _, _ in FIGURES) + " |")
-    print(f"\nESTIMATE for {args.cores} cores, not a measurement. Assumes: the cores not left for acting and learning "
-          f"run env workers, one core each, NLE at {args.nle_sps:,.0f} steps/s per core plus the workers' measured "
-          "us/step; acting and learning at their measured us/step, on one core where one process does both (one GIL), "
-          "on one core each where each has its process; host cores as fast as this machine's; per-step costs as "
-          "measured here with fewer workers; the policy's own time (a real network's inference and update, on a GPU "
-          "or not) not counted; the learner keeps up, so the lag only grows by the added workers' steps in flight.")
-    print("\n| workers x envs x batch | tree | env workers' bound | acting + learning bound | estimate steps/s | "
-          "policy lag |\n|---|---|---|---|---|---|")
+                show(now[k] / before[k] if now[k] and before[k] else None, "{:.2f}")
+                for k, _, _ in FIGURES) + " |")
+    print(f"\nESTIMATE for {args.cores} cores, not a measurement. Assumes: the cores not left for acting and "
+          f"learning run env workers, one core each, NLE at {args.nle_sps:,.0f} steps/s per core plus the "
+          "workers' measured us/step; acting and learning at their measured us/step, on one core where one "
+          "process does both (one GIL), on one core each where each has its process; host cores as fast as "
+          "this machine's; per-step costs as measured here with fewer workers; the policy's own time (a real "
+          "network's inference and update, on a GPU or not) not counted; the learner keeps up, so the lag "
+          "only grows by the added workers' steps in flight.")
+    print("\n| workers x envs x batch | tree | env workers' bound | acting + learning bound | estimate "
+          "steps/s | policy lag |\n|---|---|---|---|---|---|")
     for (point, name), figures in means.items():
         env_workers, *bounds, lag = estimate(point, figures, args)
         print(f"| {env_workers}x{point[1]}x{point[2]} (measured at {point[0]} workers) | {name} | "

@@ -38,8 +38,8 @@ from types import SimpleNamespace
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]  # the method; tests/runs.py
 import runs  # noqa: E402
 
 RULES = {"median": ("q", 0.5), "q90": ("q", 0.9), "q95": ("q", 0.95), "q98": ("q", 0.98),
@@ -156,8 +156,10 @@ def main():
     parser.add_argument("--sample", type=int, default=16_384, help="steps of the `sample` reference")
     parser.add_argument("--hand-labels", default=runs.LABEL_SETS, help="the hand labels' label_sets.tsv")
     parser.add_argument("--show", default="sim: by pay weight/sample/now",
-                        help="the rule whose most paid messages, and most paid hand-unhelpful ones, are printed")
-    parser.add_argument("--only", default=None, help="train on this set of pairs only (e.g. 'sim: by pay weight')")
+                        help="the rule whose most paid messages, and most paid hand-unhelpful ones, are "
+                             "printed")
+    parser.add_argument("--only", default=None,
+                        help="train on this set of pairs only (e.g. 'sim: by pay weight')")
     args = parser.parse_args()
     import torch
     torch.set_num_threads(1)
@@ -213,7 +215,8 @@ def measure(run, name, hand, side, fixed, args, table, shown):
                 if "/".join(key) == args.show:
                     shown[name] = sorted(zip(weight * R, texts, R), reverse=True)[:8]
                     shown[name + " (hand-unhelpful)"] = sorted(
-                        (w * r, t, r) for w, t, r, c in zip(weight, texts, R, labels["hand"]) if c == 0)[::-1][:8]
+                        (w * r, t, r) for w, t, r, c in zip(weight, texts, R, labels["hand"])
+                        if c == 0)[::-1][:8]
 
 
 def print_table(table):

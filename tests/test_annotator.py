@@ -19,7 +19,7 @@ import pytest
 
 import annotator
 import llm_server
-from benchmarks.fake_openai import TOKENS, FakeOpenAI
+from fake_openai import TOKENS, FakeOpenAI
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CAPTIONS = ["You kill the newt!", "It's a wall.", "You see here 5 gold pieces.",
@@ -29,15 +29,15 @@ CAPTIONS = ["You kill the newt!", "It's a wall.", "You see here 5 gold pieces.",
 class Annotator:
     """`annotator.serve` in a thread, with a plain LabelTable and dict in place of the Manager's proxies."""
 
-    def __init__(self, url, run_dir, known=(), timeout_s=5.0, model=None, prompts=annotator.PROMPTS, concurrency=4,
-                 scored=True, demos=None, share=1.0, server_pid=None):
+    def __init__(self, url, run_dir, known=(), timeout_s=5.0, model=None, prompts=annotator.PROMPTS,
+                 concurrency=4, scored=True, demos=None, share=1.0, server_pid=None):
         self.requests, self.stop = queue.Queue(), threading.Event()
         self.table, self.stats, self.concurrency = annotator.LabelTable(), {}, concurrency
         self.thread = threading.Thread(target=annotator.serve, daemon=True, kwargs=dict(
-            urls=url if isinstance(url, list) else [url], model=model, prompts=prompts, concurrency=concurrency,
-            run_dir=str(run_dir), known=set(known), requests=self.requests, table=self.table, stats=self.stats,
-            stop=self.stop, scored=scored, demos=demos, timeout_s=timeout_s, share=share,
-            server_pid=server_pid))
+            urls=url if isinstance(url, list) else [url], model=model, prompts=prompts,
+            concurrency=concurrency, run_dir=str(run_dir), known=set(known), requests=self.requests,
+            table=self.table, stats=self.stats, stop=self.stop, scored=scored, demos=demos,
+            timeout_s=timeout_s, share=share, server_pid=server_pid))
         self.thread.start()
 
     @property
@@ -110,7 +110,8 @@ def test_labels_pairs_and_the_labels_file(fake, tmp_path):
     else:  # log-probabilities of the next token; the prompt shows the nearest labelled messages first
         assert path == "/v1/completions" and body["prompt"].endswith("\nProgress:") and body["logprobs"] == 5
         per_label = annotator.DEMOS_PER_LABEL
-        assert body["prompt"].count("\nProgress: Yes\n") == body["prompt"].count("\nProgress: No\n") == per_label
+        assert (body["prompt"].count("\nProgress: Yes\n") == body["prompt"].count("\nProgress: No\n")
+                == per_label)
         assert "logit_bias" not in body and a.stats["answers_restricted"] == a.stats["answers_scored"] == 1
 
 
@@ -163,8 +164,8 @@ def test_other_4xx_are_fatal(fake, tmp_path, status):
     a.send(CAPTIONS)
     a.thread.join(timeout=30)
     assert not a.thread.is_alive()  # the annotator stopped asking
-    assert a.stats["fatal"] == f"HTTP {status} from {fake.url}/{'chat/' * ('instruct' in fake.model)}completions: " \
-                               "injected failure"
+    assert a.stats["fatal"] == (f"HTTP {status} from {fake.url}/"
+                                f"{'chat/' * ('instruct' in fake.model)}completions: injected failure")
     assert fake.requests <= a.concurrency and a.labels == {}
 
 
@@ -274,8 +275,9 @@ def test_slow_server_times_out_then_recovers(fake, tmp_path):
 
 
 def test_the_labeler_keeps_a_request_in_flight_at_most_its_share_of_wall_time(tmp_path):
-    """Guards issue 44: the embedded server, always busy, took a core of the learner's two (ONI at 0.37-0.53 of
-    `none`'s steps/s). With --llm-share it is busy at most that share of wall time, after a first burst of credit."""
+    """Guards issue 44: the embedded server, always busy, took a core of the learner's two (ONI at 0.37-0.53
+    of `none`'s steps/s). With --llm-share it is busy at most that share of wall time, after a first burst of
+    credit."""
     fake = FakeOpenAI().start()
     fake.delay = 0.2
     a = Annotator(fake.url, tmp_path, concurrency=1, share=0.25)
@@ -284,7 +286,8 @@ def test_the_labeler_keeps_a_request_in_flight_at_most_its_share_of_wall_time(tm
     time.sleep(6.0)
     a.close()
     fake.stop()
-    busy_allowed = annotator.MAX_CREDIT_S * 0.25 + 0.25 * (time.time() - started)  # the credit, then the share
+    # the credit, then the share
+    busy_allowed = annotator.MAX_CREDIT_S * 0.25 + 0.25 * (time.time() - started)
     assert 0.6 * busy_allowed / 0.2 <= fake.requests <= busy_allowed / 0.2 + 2  # unbounded: ~30 requests
 
 
@@ -298,7 +301,8 @@ def test_a_caption_asked_again_while_in_flight_is_asked_once(fake, tmp_path):
     assert a.wait_for(lambda: len(a.labels) == 1)
     time.sleep(1.0)
     a.close()
-    assert a.stats["requests"] == 1 and a.log == [{"caption": CAPTIONS[0], "label": expected_labels()[CAPTIONS[0]]}]
+    assert a.stats["requests"] == 1 and a.log == [{"caption": CAPTIONS[0],
+                                                   "label": expected_labels()[CAPTIONS[0]]}]
 
 
 def test_garbage_answers_are_counted_retried_once_then_unknown(fake, tmp_path, monkeypatch):
@@ -339,9 +343,10 @@ def test_known_captions_are_not_asked_again_and_the_backlog_is_bounded(fake, tmp
 
 
 def test_the_backlog_is_asked_most_worth_first_and_the_oldest_of_equals_first(tmp_path, monkeypatch):
-    """Guards issue 44: asked in the order first seen, the embedded labeler (far behind the agent's stream of new
-    messages) never reached frequent messages first seen late, e.g. the faint from hunger, paid on 7,000 steps of a
-    1M-step run while rare earlier messages were asked. Worth is the pay weight a caption accrued unlabelled."""
+    """Guards issue 44: asked in the order first seen, the embedded labeler (far behind the agent's stream of
+    new messages) never reached frequent messages first seen late, e.g. the faint from hunger, paid on 7,000
+    steps of a 1M-step run while rare earlier messages were asked. Worth is the pay weight a caption accrued
+    unlabelled."""
     fake = FakeOpenAI().start()
     fake.delay = 0.05
     a = Annotator(fake.url, tmp_path, concurrency=1)
@@ -372,7 +377,8 @@ def test_the_backlog_is_asked_most_worth_first_and_the_oldest_of_equals_first(tm
     ("", annotator.UNPARSEABLE),
 ])
 def test_parse_label(text, label):
-    assert annotator.parse_label(text) is label if label is annotator.UNPARSEABLE else annotator.parse_label(text) == label
+    assert (annotator.parse_label(text) is label if label is annotator.UNPARSEABLE
+            else annotator.parse_label(text) == label)
 
 
 @pytest.mark.parametrize("text,preference", [
@@ -399,7 +405,8 @@ def test_parse_choice():
 
 def train(args, timeout=600):
     return subprocess.run([sys.executable, "oni_appo.py", "--num-workers", "2", "--num-envs-per-worker", "4",
-                           "--batch-size", "256", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+                           "--batch-size", "256", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
 
 
 def test_training_with_no_llm_listening_completes(tmp_path):
@@ -415,9 +422,9 @@ def test_training_with_no_llm_listening_completes(tmp_path):
 def test_training_survives_a_server_that_dies_and_comes_back(tmp_path):
     fake = FakeOpenAI().start()
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "oni_appo.py", "--num-workers", "2", "--num-envs-per-worker", "4",
-                             "--batch-size", "256", "--reward-type", "classification", "--llm-url", fake.url,
-                             "--total-env-steps", "20000", "--run-dir", str(run_dir)],
+    proc = subprocess.Popen([sys.executable, "oni_appo.py", "--num-workers", "2", "--num-envs-per-worker",
+                             "4", "--batch-size", "256", "--reward-type", "classification", "--llm-url",
+                             fake.url, "--total-env-steps", "20000", "--run-dir", str(run_dir)],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lines = iter(proc.stdout)
     for line in lines:
@@ -440,8 +447,8 @@ def test_ctrl_c_to_the_whole_process_group_saves_and_exits_cleanly(tmp_path):
     """Ctrl-C reaches every process of the group: the annotator and its Manager must survive it."""
     fake = FakeOpenAI().start()
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "oni_appo.py", "--num-workers", "2", "--num-envs-per-worker", "4",
-                             "--batch-size", "256", "--reward-type", "retrieval", "--llm-url", fake.url,
+    proc = subprocess.Popen([sys.executable, "oni_appo.py", "--num-workers", "2", "--num-envs-per-worker",
+                             "4", "--batch-size", "256", "--reward-type", "retrieval", "--llm-url", fake.url,
                              "--run-dir", str(run_dir)], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     for line in proc.stdout:
@@ -460,8 +467,10 @@ def test_ctrl_c_to_the_whole_process_group_saves_and_exits_cleanly(tmp_path):
 def test_prompt_file_replaces_templates_and_bad_files_are_clear_errors(tmp_path):
     fake = FakeOpenAI().start()
     custom = tmp_path / "prompts.json"
-    custom.write_text(json.dumps({"label_completion": "Is this good in NetHack?\nMessage: {caption}\nProgress:"}))
-    client = annotator.LabelClient(SimpleNamespace(prompt_file=str(custom), llm_url=[fake.url], llm_model=None))
+    custom.write_text(
+        json.dumps({"label_completion": "Is this good in NetHack?\nMessage: {caption}\nProgress:"}))
+    client = annotator.LabelClient(SimpleNamespace(prompt_file=str(custom), llm_url=[fake.url],
+                                                   llm_model=None))
     assert client.prompts["label_completion"].startswith("Is this good in NetHack?")
     assert client.prompts["label_user"] == annotator.PROMPTS["label_user"]  # the rest stays
     labeler = annotator.Labeler([fake.url], None, client.prompts, 5.0)
@@ -481,7 +490,8 @@ def test_prompt_file_replaces_templates_and_bad_files_are_clear_errors(tmp_path)
                                          r"KeyError: '\"best_description\"'$"):
         annotator.LabelClient(SimpleNamespace(prompt_file=str(braces)))
     braces.write_text(json.dumps({"pair_user": 'Answer {{"best_description": 1}} for {first} / {second}'}))
-    assert annotator.LabelClient(SimpleNamespace(prompt_file=str(braces))).prompts["pair_user"].startswith("Answer {{")
+    assert annotator.LabelClient(SimpleNamespace(prompt_file=str(braces))).prompts["pair_user"].startswith(
+        "Answer {{")
 
 
 def client_args(url, **kw):
@@ -510,13 +520,16 @@ def test_check_restarts_a_dead_annotator_and_stops_the_run_on_a_fatal_error(tmp_
         client.process.join()
         client.check()
         assert client.process.is_alive() and client.stats()["restarts"] == 1
-        assert "annotator: its process died (exit code -9), 1 times so far: restarting it" in capsys.readouterr().err
-        client.request(dict.fromkeys(CAPTIONS, 0.0), {})  # the learner re-sends what is unlabelled; done ones are not asked again
+        assert ("annotator: its process died (exit code -9), 1 times so far: restarting it"
+                in capsys.readouterr().err)
+        # the learner re-sends what is unlabelled; done ones are not asked again
+        client.request(dict.fromkeys(CAPTIONS, 0.0), {})
         assert labelled(len(CAPTIONS)) and fake.requests == len(CAPTIONS)
         assert client.stats()["labels"] == len(CAPTIONS)  # the counts go on across the restart
         fake.fail_next, fake.fail_status = 1000, 404
         client.request(dict.fromkeys(["You hear a door open."], 0.0), {})
-        with pytest.raises(SystemExit, match=r"^error: annotator: HTTP 404 from .*/v1/completions: injected failure$"):
+        with pytest.raises(SystemExit,
+                           match=r"^error: annotator: HTTP 404 from .*/v1/completions: injected failure$"):
             labelled(len(CAPTIONS) + 1)
         assert client.stats()["restarts"] == 1  # a fatal error is not a crash: no restart
     finally:
@@ -533,7 +546,8 @@ def test_check_restarts_a_dead_annotator_and_stops_the_run_on_a_fatal_error(tmp_
             client.check()
         client.process.kill()
         client.process.join()
-        with pytest.raises(SystemExit, match=r"^error: annotator: its process died \(exit code -9\), 3 times so far$"):
+        with pytest.raises(SystemExit,
+                           match=r"^error: annotator: its process died \(exit code -9\), 3 times so far$"):
             client.check()
     finally:
         client.close()
@@ -548,14 +562,16 @@ def test_the_label_table_keeps_only_what_the_learner_has_not_read():
     records, cursor = table.since(cursor)
     assert records == [{"caption": "c1", "label": 0}, {"caption": "c3", "label": None}] and cursor == 5
     assert table.since(cursor) == ([], 5) and table.written == []  # what was read is gone
-    assert sorted(table.settled()) == ["c0", "c1", "c2"] and not hasattr(table, "items")  # keys stay, not records
+    # the keys stay, not the records
+    assert sorted(table.settled()) == ["c0", "c1", "c2"] and not hasattr(table, "items")
 
 
 def test_labels_reach_the_learner_through_the_manager_table_in_bulk(tmp_path, monkeypatch):
     """The LabelTable in the Manager is the one channel: new_records() takes everything written since
     its last call, in order (a caption asked again appears again), in one round trip."""
     fake = FakeOpenAI(model="fake-instruct").start()
-    fake.mode = "garbage"  # the first caption's answer is unparseable twice: an unknown label, asked again later
+    # the first caption's answer is unparseable twice: an unknown label, asked again later
+    fake.mode = "garbage"
     client = annotator.LabelClient(client_args(fake.url))
     client.start(str(tmp_path), set())
 
@@ -581,7 +597,8 @@ def test_labels_reach_the_learner_through_the_manager_table_in_bulk(tmp_path, mo
         assert calls == ["since"]  # one round trip for all of them
         assert records == [json.loads(x) for x in open(tmp_path / annotator.LABELS_FILE)]
         assert records[0] == {"caption": CAPTIONS[0], "label": None}
-        assert [r for r in records if r.get("caption") == CAPTIONS[0]] == [{"caption": CAPTIONS[0], "label": None}]
+        assert [r for r in records if r.get("caption") == CAPTIONS[0]] == [
+            {"caption": CAPTIONS[0], "label": None}]
         assert client.new_records() == []  # nothing new since
         client.request(dict.fromkeys(["You see here 9 gold pieces."], 0.0), {})
         assert written(len(CAPTIONS) + 2)
@@ -599,7 +616,8 @@ def test_concurrency_keeps_n_requests_in_flight_spread_over_the_servers(tmp_path
     a = Annotator([s.url for s in slow], tmp_path, model="fake-instruct", concurrency=6)
     a.send(captions)
     in_flight = []
-    assert a.wait_for(lambda: in_flight.append(a.stats.get("in_flight", 0)) or len(a.labels) == len(captions), 15)
+    assert a.wait_for(
+        lambda: in_flight.append(a.stats.get("in_flight", 0)) or len(a.labels) == len(captions), 15)
     a.close()
     assert max(in_flight) == 6 and a.labels == dict.fromkeys(captions, 1)
     assert [s.max_active for s in slow] == [3, 3] and min(s.requests for s in slow) >= 12  # an even spread
@@ -618,7 +636,8 @@ def test_concurrency_keeps_n_requests_in_flight_spread_over_the_servers(tmp_path
 def test_start_passes_threads_and_stops_the_server_when_start_up_fails(tmp_path, monkeypatch):
     server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
     calls = []
-    monkeypatch.setattr(llm_server, "start", lambda **kw: calls.append(kw) or (server, "http://127.0.0.1:9/v1"))
+    monkeypatch.setattr(llm_server, "start",
+                        lambda **kw: calls.append(kw) or (server, "http://127.0.0.1:9/v1"))
 
     def broken_start(*args, **kw):
         raise OSError("cannot start the Manager")
@@ -632,8 +651,8 @@ def test_start_passes_threads_and_stops_the_server_when_start_up_fails(tmp_path,
 
 
 def test_a_label_from_a_server_that_cannot_restrict_the_answer_still_keeps_the_threshold(tmp_path):
-    """Guards: without ' Yes'/' No' token ids no logit bias can carry THRESHOLD, so a greedy label would be argmax
-    (threshold 0): a label is then read from the scores even where only the label is wanted."""
+    """Guards: without ' Yes'/' No' token ids no logit bias can carry THRESHOLD, so a greedy label would be
+    argmax (threshold 0): a label is then read from the scores even where only the label is wanted."""
     fake = FakeOpenAI().start()
     fake.tokenize_fails, fake.margins = 10**6, {"You kill the grid bug!": annotator.THRESHOLD / 2}
     a = Annotator(fake.url, tmp_path, scored=False)
@@ -641,14 +660,17 @@ def test_a_label_from_a_server_that_cannot_restrict_the_answer_still_keeps_the_t
     assert a.wait_for(lambda: len(a.labels) == len(CAPTIONS))
     a.close()
     fake.stop()
-    assert a.labels == {**expected_labels(), "You kill the grid bug!": 0} and a.stats["answers_restricted"] == 0
+    assert (a.labels == {**expected_labels(), "You kill the grid bug!": 0}
+            and a.stats["answers_restricted"] == 0)
 
 
 @pytest.mark.parametrize("reward_type", ["retrieval", "classification", "ranking"])
 def test_only_ranking_asks_for_log_probabilities(tmp_path, capsys, monkeypatch, reward_type):
-    # Guards the ~6x cost of log-probabilities (llama.cpp's --logits_all) on reward models that use only the label.
+    # Guards the ~6x cost of log-probabilities (llama.cpp's --logits_all) on reward models that use only the
+    # label.
     fake = FakeOpenAI().start()
-    fake.margins = {"You kill the grid bug!": annotator.THRESHOLD / 2}  # the likelier answer, yet under THRESHOLD
+    # the likelier answer, yet under THRESHOLD
+    fake.margins = {"You kill the grid bug!": annotator.THRESHOLD / 2}
     client = annotator.LabelClient(client_args(fake.url, reward_type=reward_type))
     client.start(str(tmp_path), set())
     records, deadline = [], time.time() + 60
@@ -661,29 +683,34 @@ def test_only_ranking_asks_for_log_probabilities(tmp_path, capsys, monkeypatch, 
     finally:
         client.close()
         fake.stop()
-    assert {r["caption"]: r["label"] for r in records} == {**expected_labels(), "You kill the grid bug!": 0}  # either way
+    assert {r["caption"]: r["label"] for r in records} == {
+        **expected_labels(), "You kill the grid bug!": 0}  # either way
     asked = ["logprobs" in body for path, body in fake.calls if path.endswith("/completions")]
-    assert asked and set(asked) == {reward_type == "ranking"} and stats.get("answers_scored") == (1 if reward_type == "ranking" else None)
+    assert asked and set(asked) == {reward_type == "ranking"} and stats.get("answers_scored") == (
+        1 if reward_type == "ranking" else None)
     assert "log-probabilities" not in capsys.readouterr().err  # a choice, not a server's lack: no notice
 
 
 @pytest.mark.parametrize("scored", [False, True])
 def test_a_llama_cpp_server_is_asked_by_bisection_never_for_log_probabilities(scored):
-    """Guards issue 44: llama-cpp-python computes the log-probabilities of every prompt token (a score took 2.1 s
-    where a label takes 0.3 s). Its labels are one restricted greedy token at THRESHOLD; a score (ranking) takes
-    BISECTIONS more on the same prompt, which its prompt cache holds, and lands within half their resolution."""
+    """Guards issue 44: llama-cpp-python computes the log-probabilities of every prompt token (a score took
+    2.1 s where a label takes 0.3 s). Its labels are one restricted greedy token at THRESHOLD; a score
+    (ranking) takes BISECTIONS more on the same prompt, which its prompt cache holds, and lands within half
+    their resolution."""
     fake = FakeOpenAI().start()
     fake.llama_cpp = True
-    fake.margins = {"You kill the newt!": 2.3, "It's a wall.": -1.1, "You kill the grid bug!": annotator.THRESHOLD + 0.2,
+    fake.margins = {"You kill the newt!": 2.3, "It's a wall.": -1.1,
+                    "You kill the grid bug!": annotator.THRESHOLD + 0.2,
                     "You see here 3 gold pieces.": annotator.THRESHOLD - 0.05, "You hear a door open.": -9.0}
     labeler = annotator.Labeler([fake.url], None, annotator.PROMPTS, 5.0, scored=scored)
     labeler.resolve_model()
     try:
         for caption, margin in fake.margins.items():
             if scored:
-                span = (annotator.THRESHOLD - annotator.SCORE_SPAN, annotator.THRESHOLD + annotator.SCORE_SPAN)
-                assert abs(labeler.score(caption, 0) - np.clip(margin, *span)) <= annotator.SCORE_SPAN / 2 ** (
-                    annotator.BISECTIONS + 1) + 1e-9  # beyond the span: its bound
+                span = (annotator.THRESHOLD - annotator.SCORE_SPAN,
+                        annotator.THRESHOLD + annotator.SCORE_SPAN)
+                assert (abs(labeler.score(caption, 0) - np.clip(margin, *span))  # beyond the span: its bound
+                        <= annotator.SCORE_SPAN / 2 ** (annotator.BISECTIONS + 1) + 1e-9)
             else:
                 assert labeler.ask(caption) == int(margin > annotator.THRESHOLD)
     finally:
@@ -702,10 +729,13 @@ def alive(pid):
 
 
 def test_llm_server_stop_ends_its_whole_process_group():
-    child = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(flush=True); time.sleep(60)"
-    leader = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', %r], stdout=subprocess.PIPE); "
-              "p.stdout.readline(); print(p.pid, flush=True); time.sleep(60)" % child)
-    server = subprocess.Popen([sys.executable, "-c", leader], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    child = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(flush=True); "
+             "time.sleep(60)")
+    leader = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', %r], "
+              "stdout=subprocess.PIPE); p.stdout.readline(); print(p.pid, flush=True); "
+              "time.sleep(60)" % child)
+    server = subprocess.Popen([sys.executable, "-c", leader], stdout=subprocess.PIPE, text=True,
+                              start_new_session=True)
     engine = int(server.stdout.readline())  # like vLLM's engine: a child of the server, deaf to SIGTERM
     llm_server.stop(server, timeout_s=2)
     deadline = time.time() + 10
@@ -722,7 +752,8 @@ def test_llm_server_threads_and_gpu_memory(tmp_path, monkeypatch):
     def threads(**kw):
         command = llm_server.build_command("llama_cpp", str(model), "127.0.0.1", 1, **kw)
         return command[command.index("--n_threads") + 1]
-    assert (threads(), threads(num_workers=12), threads(num_workers=20), threads(threads=3, num_workers=12)) == \
+    assert (threads(), threads(num_workers=12), threads(num_workers=20),
+            threads(threads=3, num_workers=12)) == \
         ("16", "4", "1", "3")  # the cores the env workers leave, at least one; --llm-threads wins
     monkeypatch.setattr(llm_server.importlib.util, "find_spec", lambda name: object())
     for kw, share in (({}, "0.5"), ({"gpu_memory_utilization": 0.3}, "0.3")):
@@ -787,9 +818,11 @@ def test_a_labels_file_cut_short_by_a_crash_still_resumes(tmp_path):
     path, whole = tmp_path / annotator.LABELS_FILE, {"caption": "You kill the newt!", "label": 1}
     path.write_text(json.dumps(whole) + "\n" + '{"caption": "It\'s a w')  # the last write, cut short
     assert annotator.read_labels(path) == [whole]
-    path.write_text(json.dumps(whole))  # a whole last line without its newline (a file written by hand) is kept
+    # a whole last line without its newline (a file written by hand) is kept
+    path.write_text(json.dumps(whole))
     assert annotator.read_labels(path) == [whole]
-    path.write_text('{"caption": "It\'s a w\n' + json.dumps(whole) + "\n")  # damage before the end is an error
+    # damage before the end is an error
+    path.write_text('{"caption": "It\'s a w\n' + json.dumps(whole) + "\n")
     with pytest.raises(SystemExit, match="cannot read labels"):
         annotator.read_labels(path)
 
@@ -812,7 +845,8 @@ def test_a_score_is_the_log_probability_margin_and_a_label_is_above_the_threshol
         assert [labeler.ask(m) for m in fake.margins] == [1, 1, 0]
     finally:
         fake.stop()
-    # llama.cpp's answer: a word outside the top ones is at most as likely as the last of them; neither: no answer
+    # llama.cpp's answer: a word outside the top ones is at most as likely as the last of them; neither: no
+    # answer
     answers = iter([{" Yes": -0.2, " I": -2.0}, {" No": -0.1, " You": -4.0}, {" I": -0.1, " You": -2.0}])
     monkeypatch.setattr(labeler, "first_token", lambda *a, **k: {"text": " I", "logprobs": {
         "tokens": [" I"], "token_logprobs": [-0.1], "text_offset": [0], "top_logprobs": [next(answers)]}})
@@ -821,35 +855,41 @@ def test_a_score_is_the_log_probability_margin_and_a_label_is_above_the_threshol
 
 
 def test_the_labeler_asks_a_message_as_the_pool_holds_it_one_space_between_words(monkeypatch):
-    """NetHack leaves a space after a y/n prompt for the cursor, two between sentences; the pool's messages (as
-    messages.tsv writes them) have one between words and none at the end. The 270M model scored "Continue
-    eating? [yn] (n) " above THRESHOLD and the same without the space below it; a Ranking run ate until it choked."""
+    """NetHack leaves a space after a y/n prompt for the cursor, two between sentences; the pool's messages
+    (as messages.tsv writes them) have one between words and none at the end. The 270M model scored "Continue
+    eating? [yn] (n) " above THRESHOLD and the same without the space below it; a Ranking run ate until it
+    choked."""
     fake = FakeOpenAI().start()
     labeler = base_labeler(fake)
     fake.stop()
     asked = []
     monkeypatch.setattr(labeler, "score", lambda caption, server, precise=True: asked.append(caption) or 0.0)
     labeler.ask("Continue eating? [yn] (n) ")
-    labeler.ask(("Continue eating? [yn] (n) ", "You hear bubbling water.  It's a wall."))  # as NetHack shows it
+    labeler.ask(("Continue eating? [yn] (n) ",
+                 "You hear bubbling water.  It's a wall."))  # as NetHack shows it
     assert asked == ["Continue eating? [yn] (n)"] * 2 + ["You hear bubbling water. It's a wall."]
 
 
 @pytest.mark.parametrize("threshold", [0.25, -0.5])
 @pytest.mark.parametrize("missing", ["error", "absent"])
-def test_a_server_without_log_probabilities_gets_bisected_scores_and_says_so_once(tmp_path, capsys, monkeypatch,
-                                                                                   missing, threshold):
+def test_a_server_without_log_probabilities_gets_bisected_scores_and_says_so_once(
+        tmp_path, capsys, monkeypatch, missing, threshold):
     monkeypatch.setattr(annotator, "THRESHOLD", threshold)
     fake = FakeOpenAI().start()
-    fake.logprobs = missing  # llama.cpp without --logits_all answers HTTP 500; another server may leave them out
+    # llama.cpp without --logits_all answers HTTP 500; another server may leave them out
+    fake.logprobs = missing
     a = Annotator(fake.url, tmp_path)
-    a.send(CAPTIONS, pairs=[("It's a wall.", "You kill the newt!"), ("You kill the newt!", "You kill the grid bug!")])
+    a.send(CAPTIONS, pairs=[("It's a wall.", "You kill the newt!"),
+                            ("You kill the newt!", "You kill the grid bug!")])
     assert a.wait_for(lambda: len(a.labels) == len(CAPTIONS) + 2)
     a.close()
     fake.stop()
     assert {c: a.labels[c] for c in CAPTIONS} == expected_labels() and a.stats["answers_scored"] == 0
-    assert a.labels[annotator.item_key(("It's a wall.", "You kill the newt!"))] == 2  # pairs: from the two scores
+    # pairs: from the two scores
+    assert a.labels[annotator.item_key(("It's a wall.", "You kill the newt!"))] == 2
     assert a.labels[annotator.item_key(("You kill the newt!", "You kill the grid bug!"))] is None
-    yes, no = (str(TOKENS[w][-1]) for w in (" Yes", " No"))  # the same decision: Yes where its margin > THRESHOLD
+    # the same decision: Yes where its margin > THRESHOLD
+    yes, no = (str(TOKENS[w][-1]) for w in (" Yes", " No"))
     biases = [body["logit_bias"] for path, body in fake.calls if "logit_bias" in body]
     assert {yes: 100.0 - max(threshold, 0), no: 100.0 + min(threshold, 0)} in biases
     assert len(biases) >= len(CAPTIONS) + 3 * (1 + annotator.BISECTIONS)  # a label each; the pairs' 3 scores
@@ -891,9 +931,9 @@ def test_demonstrations_come_from_the_dev_split_nearest_last():
 
 
 def test_demos_come_from_a_tsv_or_a_runs_labels_and_a_bad_pool_is_a_one_line_error(fake, tmp_path):
-    """Guards --demos: a pool from a label_sets.tsv-style file (dev rows only where it has splits) or from a run's
-    labels.jsonl (captions with a label; pairs and unknowns left out; the last label wins) reaches the prompt; an
-    unreadable, empty, headerless or one-class pool stops the run before it starts, in one line."""
+    """Guards --demos: a pool from a label_sets.tsv-style file (dev rows only where it has splits) or from a
+    run's labels.jsonl (captions with a label; pairs and unknowns left out; the last label wins) reaches the
+    prompt; an unreadable, empty, headerless or one-class pool stops the run before it starts, in one line."""
     tsv, jsonl, flat = tmp_path / "sets.tsv", tmp_path / "labels.jsonl", tmp_path / "flat.tsv"
     tsv.write_text("message\tsteps\tlabel\tsplit\nYou slay the dragon!\t3\t1\tdev\nYou yawn.\t9\t0\tdev\n"
                    "You kill the newt!\t5\t1\ttest\n")
@@ -901,23 +941,27 @@ def test_demos_come_from_a_tsv_or_a_runs_labels_and_a_bad_pool_is_a_one_line_err
     jsonl.write_text("".join(json.dumps(r) + "\n" for r in [
         {"caption": "You slay the dragon!", "label": 0}, {"caption": "You yawn.", "label": 0},
         {"caption": "You hear a yawn.", "label": None}, {"pair": ["a", "b"], "preference": 1},
-        {"caption": "You slay the dragon!", "label": 1}]) + '{"caption": "You yaw')  # a crash cut the last line
+        {"caption": "You slay the dragon!", "label": 1}])
+                     + '{"caption": "You yaw')  # a crash cut the last line
     flat.write_text(flat.read_text() + "\n")  # a blank line, as hand-edited files end
     for path in (tsv, flat, jsonl):
         client = annotator.LabelClient(client_args(fake.url, demos=str(path)))
-        assert sorted((m, label) for m, label, _ in client.demos) == [("You slay the dragon!", 1), ("You yawn.", 0)]
+        assert sorted((m, label) for m, label, _ in client.demos) == [
+            ("You slay the dragon!", 1), ("You yawn.", 0)]
     a = Annotator(fake.url, tmp_path, demos=client.demos)
     a.send(["You slay the wolf!"])
     assert a.wait_for(lambda: len(a.labels) == 1)
     a.close()
     if fake.model == "fake-base":  # the run's pool, not the shipped one, is what the prompt shows
-        assert fake.calls[-1][1]["prompt"].count("Message: ") == 3 and "You slay the dragon!" in fake.calls[-1][1]["prompt"]
+        assert (fake.calls[-1][1]["prompt"].count("Message: ") == 3
+                and "You slay the dragon!" in fake.calls[-1][1]["prompt"])
     one_class = tmp_path / "one.tsv"
     one_class.write_text("message\tlabel\nYou yawn.\t0\nIt's a wall.\t0\n")
     headerless = tmp_path / "headerless.tsv"
     headerless.write_text("You yawn.\t0\n")
     (tmp_path / "empty.jsonl").write_text("")
-    for path, says in ((tmp_path / "missing.tsv", "No such file"), (tmp_path / "empty.jsonl", "hold 0 labelled"),
+    for path, says in ((tmp_path / "missing.tsv", "No such file"),
+                       (tmp_path / "empty.jsonl", "hold 0 labelled"),
                        (one_class, "all labelled 0: a pool needs both labels"), (headerless, "must name")):
         with pytest.raises(SystemExit) as error:
             annotator.LabelClient(client_args(fake.url, demos=str(path)))
@@ -927,8 +971,9 @@ def test_demos_come_from_a_tsv_or_a_runs_labels_and_a_bad_pool_is_a_one_line_err
 
 @pytest.mark.parametrize("where", ["same origin", "another port", "another host"])
 def test_the_key_does_not_follow_a_redirect_to_another_origin(monkeypatch, where):
-    """urllib keeps Authorization on a redirect, so a server could send the key anywhere: like OpenAI's client,
-    the Labeler (and llm_server.start's probe, the same opener) keeps it only for the same scheme, host and port."""
+    """urllib keeps Authorization on a redirect, so a server could send the key anywhere: like OpenAI's
+    client, the Labeler (and llm_server.start's probe, the same opener) keeps it only for the same scheme,
+    host and port."""
     monkeypatch.setenv("OPENAI_API_KEY", "sk-test-key")
     hop, other = FakeOpenAI().start(), FakeOpenAI().start()
     target = {"same origin": hop.url, "another port": other.url,
@@ -955,32 +1000,41 @@ def test_the_key_does_not_follow_a_redirect_to_another_origin(monkeypatch, where
     ({"llm_concurrency": 0}, "--llm-concurrency must be at least 1, not 0"),
     ({"llm_concurrency": -1}, "--llm-concurrency must be at least 1, not -1")])
 def test_malformed_llm_flags_are_one_line_errors_before_anything_starts(flags, says):
-    """Before, a URL that is no http(s) one was retried for the whole run as a server that is down (rc 0, no word),
-    --llm-concurrency 0 became 64 and -1 crashed the annotator five times."""
-    args = SimpleNamespace(**{**vars(client_args("http://127.0.0.1:8000/v1")), "llm_concurrency": None, **flags})
+    """Before, a URL that is no http(s) one was retried for the whole run as a server that is down (rc 0, no
+    word), --llm-concurrency 0 became 64 and -1 crashed the annotator five times."""
+    args = SimpleNamespace(**{**vars(client_args("http://127.0.0.1:8000/v1")), "llm_concurrency": None,
+                              **flags})
     with pytest.raises(SystemExit) as error:
         annotator.LabelClient(args)
     assert str(error.value).startswith(f"error: {says}") and "\n" not in str(error.value)
-    annotator.check_llm_flags(["http://127.0.0.1:8000/v1", "https://api.example.com/v1", "http://[::1]:8000"], 1)
+    annotator.check_llm_flags(
+        ["http://127.0.0.1:8000/v1", "https://api.example.com/v1", "http://[::1]:8000"], 1)
 
 
 def test_a_bad_labels_line_is_named_by_its_line_and_column_in_the_file(tmp_path):
-    """json names the line and column within the string it parses: line 41 was reported as "line 1 column 29"."""
+    """json names the line and column within the string it parses: line 41 was reported as
+    "line 1 column 29"."""
     path, good = tmp_path / annotator.LABELS_FILE, "".join(json.dumps({"caption": f"c{i}", "label": 1}) + "\n"
                                                              for i in range(40))
     path.write_text(good + '{"caption": "x", "label": 1,}\n' + good)
-    with pytest.raises(SystemExit, match=r"^error: cannot read labels from .*labels.jsonl: line 41 column 29: "
+    with pytest.raises(SystemExit,
+                       match=r"^error: cannot read labels from .*labels.jsonl: line 41 column 29: "
                                          r"Expecting property name enclosed in double quotes$"):
         annotator.read_labels(path)
-    path.write_text(good + "[" * 100_000 + "\n" + good)  # nested past Python's recursion limit: was a traceback
-    with pytest.raises(SystemExit, match=r"^error: cannot read labels from .*labels.jsonl: line 41: maximum recursion"):
+    # nested past Python's recursion limit: was a traceback
+    path.write_text(good + "[" * 100_000 + "\n" + good)
+    with pytest.raises(SystemExit,
+                       match=r"^error: cannot read labels from .*labels.jsonl: line 41: maximum recursion"):
         annotator.read_labels(path)
 
 
 def test_a_bad_demonstration_row_names_its_line_and_what_is_wrong(tmp_path):
-    """A row short of a column was a bare IndexError; labels {2, 0} were reported as "all labelled 2" (or 0)."""
-    cases = {"message\tlabel\tsplit\nYou yawn.\t0\tdev\nYou slay the dragon!\t1\n": "line 3 has no split column",
-             "message\tlabel\nYou yawn.\t0\n\nYou slay the dragon!\n": "line 4 has no label column",  # a blank line 3
+    """A row short of a column was a bare IndexError; labels {2, 0} were reported as "all labelled 2"
+    (or 0)."""
+    cases = {"message\tlabel\tsplit\nYou yawn.\t0\tdev\nYou slay the dragon!\t1\n":
+             "line 3 has no split column",
+             "message\tlabel\nYou yawn.\t0\n\nYou slay the dragon!\n":
+             "line 4 has no label column",  # a blank line 3
              "message\tlabel\nYou yawn.\t0\nYou slay the dragon!\t2\n": "line 3: label '2' is not 0 or 1"}
     for i, (text, says) in enumerate(cases.items()):
         path = tmp_path / f"pool{i}.tsv"
@@ -991,8 +1045,8 @@ def test_a_bad_demonstration_row_names_its_line_and_what_is_wrong(tmp_path):
 
 
 def test_the_annotator_stops_in_one_line_when_the_learners_table_is_gone(tmp_path, capfd):
-    """kill -9 of the learner kills its Manager (die_with_parent); the annotator, whose next write to the label
-    table then fails, printed a traceback. It stops with one line and no traceback."""
+    """kill -9 of the learner kills its Manager (die_with_parent); the annotator, whose next write to the
+    label table then fails, printed a traceback. It stops with one line and no traceback."""
     fake = FakeOpenAI().start()
     client = annotator.LabelClient(client_args(fake.url))
     client.start(str(tmp_path), set())
@@ -1013,9 +1067,9 @@ def test_the_annotator_stops_in_one_line_when_the_learners_table_is_gone(tmp_pat
 
 
 def test_the_embedded_server_gets_a_key_of_its_own_that_the_annotator_sends(tmp_path, monkeypatch):
-    """Without --llm-url nothing else uses the embedded server: it gets a key made for the run, so that another
-    local user gets HTTP 401 (with no OPENAI_API_KEY it answered anyone), and OPENAI_API_KEY, meant for the URLs
-    named on the command line, does not go to it."""
+    """Without --llm-url nothing else uses the embedded server: it gets a key made for the run, so that
+    another local user gets HTTP 401 (with no OPENAI_API_KEY it answered anyone), and OPENAI_API_KEY, meant
+    for the URLs named on the command line, does not go to it."""
     monkeypatch.setenv("OPENAI_API_KEY", "sk-for-named-urls")
     servers = []
 
@@ -1046,11 +1100,13 @@ def test_the_embedded_server_gets_a_key_of_its_own_that_the_annotator_sends(tmp_
 
 def test_the_embedded_servers_share_is_counted_in_its_cpu_time(tmp_path, monkeypatch):
     """Guards issue 44: wall time with a request in flight is not the CPU the embedded server takes from the
-    learner's cores (under load a label's wall time stretches). The share is the server process's CPU time (from
-    /proc) over wall time: a server using a whole core is soon given no more (on the wall-time rule it would be)."""
+    learner's cores (under load a label's wall time stretches). The share is the server process's CPU time
+    (from /proc) over wall time: a server using a whole core is soon given no more (on the wall-time rule it
+    would be)."""
     monkeypatch.setattr(annotator, "MAX_CREDIT_S", 1.0)  # a small credit: 0.01 s of work at share 0.01
     fake = FakeOpenAI().start()
-    burner = subprocess.Popen([sys.executable, "-c", "while True: pass"])  # stands for a server busy on a core
+    # stands for a server busy on a core
+    burner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         a = Annotator(fake.url, tmp_path, concurrency=1, share=0.01, server_pid=burner.pid)
         a.send([f"You see here {i} gold pieces." for i in range(10_000)])

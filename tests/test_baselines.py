@@ -116,13 +116,14 @@ def test_motif_without_usable_labels_is_a_one_line_error(tmp_path):
     corrupt, missing = tmp_path / "corrupt.jsonl", str(tmp_path / "missing.jsonl")
     corrupt.write_text('{"pair": ["You kill the newt!", "It\'s a wall."], "preference": 1}\n{"pair": [\n')
     malformed = tmp_path / "malformed.jsonl"  # valid JSON, not a record
-    malformed.write_text('{"pair": ["You kill the newt!", "It\'s a wall."], "preference": 1}\n{"pair": ["a"], "preference": 1}\n')
+    malformed.write_text('{"pair": ["You kill the newt!", "It\'s a wall."], "preference": 1}\n'
+                         '{"pair": ["a"], "preference": 1}\n')
     cases = {"no file": ([], "--labels-from"), "missing": (["--labels-from", missing], missing),
              "corrupt": (["--labels-from", str(corrupt)], str(corrupt)),
              "malformed": (["--labels-from", str(malformed)], f"{malformed} line 2")}
-    procs = {name: subprocess.Popen([sys.executable, "oni_appo.py", *SHORT_RUN, "--reward-type", "motif", *flags,
-                                     "--run-dir", str(tmp_path / name)], cwd=ROOT, stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True)
+    procs = {name: subprocess.Popen([sys.executable, "oni_appo.py", *SHORT_RUN, "--reward-type", "motif",
+                                     *flags, "--run-dir", str(tmp_path / name)], cwd=ROOT,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for name, (flags, _) in cases.items()}  # side by side: each only starts and stops
     for name, proc in procs.items():
         _, err = proc.communicate(timeout=120)

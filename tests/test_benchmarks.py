@@ -10,33 +10,43 @@ def test_learner_time_update_times_every_stage_of_a_real_update():
     result = subprocess.run([sys.executable, "benchmarks/learner_time.py", "--update", "--batch-size", "64",
                              "--updates", "2"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
-    rows = [line.strip("|").split("|") for line in result.stdout.splitlines() if line.startswith("| ") and "ms" not in line]
-    assert [r[0].strip() for r in rows] == ["encoder forward (inside forward + loss)", "GRU unroll + V-trace + loss (forward)",
-                                            "backward", "clip + Adam step", "weights to the acting agent"]
+    rows = [line.strip("|").split("|") for line in result.stdout.splitlines()
+            if line.startswith("| ") and "ms" not in line]
+    assert [r[0].strip() for r in rows] == ["encoder forward (inside forward + loss)",
+                                            "GRU unroll + V-trace + loss (forward)", "backward",
+                                            "clip + Adam step", "weights to the acting agent"]
     stages_ms = [float(r[1]) for r in rows]
     update_ms = float(result.stdout.split("median of 2: ")[1].split(" ms")[0])
-    # the stages make the update; the second is a difference of two timings (forward + loss minus the encoder's own
-    # forward, timed apart), which a loaded box can make negative, so only the timed ones must be >= 0
+    # the stages make the update; the second is a difference of two timings (forward + loss minus the
+    # encoder's own forward, timed apart), which a loaded box can make negative, so only the timed ones must
+    # be >= 0
     assert all(ms >= 0 for i, ms in enumerate(stages_ms) if i != 1) and abs(sum(stages_ms) - update_ms) < 1
 
 
 def test_learner_time_update_counts_the_update_arithmetic_and_times_bf16():
     result = subprocess.run([sys.executable, "benchmarks/learner_time.py", "--update", "--batch-size", "64",
-                             "--updates", "2", "--bf16"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                             "--updates", "2", "--bf16"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     counted_gflop = float(result.stdout.split("arithmetic: ")[1].split(" GFLOP")[0])
-    # by hand: multiply-adds of one forward step (crop convs on 12x12 and 6x6, the linear layers, GRU 512, heads)
+    # by hand: multiply-adds of one forward step (crop convs on 12x12 and 6x6, the linear layers, GRU 512,
+    # heads)
     sys.path.insert(0, ROOT)
     import envs
     convs = 12 * 12 * 64 * 32 * 9 + 6 * 6 * 64 * 64 * 9
-    linears = 2304 * 256 + 27 * 64 + 64 * 64 + envs.MESSAGE_LEN * 128 + 128 * 128 + 448 * 512 + 512 * (len(envs.ACTIONS) + 1)
+    linears = (2304 * 256 + 27 * 64 + 64 * 64 + envs.MESSAGE_LEN * 128 + 128 * 128 + 448 * 512
+               + 512 * (len(envs.ACTIONS) + 1))
     gru = 3 * 512 * (512 + 512)
-    forward = 2 * (convs + linears + gru) * 33 * 2  # FLOPs of 33 observations (rollout 32 + bootstrap) x 2 envs
-    # backward: a gradient for the weights and one for the inputs of every layer (3x the forward pass in all), except
-    # the inputs of the stats and message MLPs' first layers and the GRU's state at t = 0 (h0), which need none
+    # FLOPs of 33 observations (rollout 32 + bootstrap) x 2 envs
+    forward = 2 * (convs + linears + gru) * 33 * 2
+    # backward: a gradient for the weights and one for the inputs of every layer (3x the forward pass in all),
+    # except the inputs of the stats and message MLPs' first layers and the GRU's state at t = 0 (h0), which
+    # need none
     no_input_grad = 2 * (27 * 64 + envs.MESSAGE_LEN * 128) * 33 * 2 + 2 * 512 * 3 * 512 * 2
     assert abs(counted_gflop - (3 * forward - no_input_grad) / 1e9) < 1e-3
-    per_step = dict(item.split(": ") for item in result.stdout.split("us per env step by batch size: ")[1].split("\n")[0].split(", "))
+    per_step = dict(
+        item.split(": ")
+        for item in result.stdout.split("us per env step by batch size: ")[1].split("\n")[0].split(", "))
     assert list(per_step) == ["8", "16", "32", "64"] and all(float(us) > 0 for us in per_step.values())
     off_by = float(result.stdout.split("loss off by ")[1].split(",")[0])
     grad_off_by = float(result.stdout.split("gradient off by ")[1].split()[0])
@@ -46,17 +56,22 @@ def test_learner_time_update_counts_the_update_arithmetic_and_times_bf16():
 def test_label_quality_weighs_by_steps_and_pay_and_keeps_the_test_and_goal_sets_out_of_dev():
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import label_quality
-    sets = label_quality.load_sets()  # asserts that no test or goal message nor a test near-copy is in the dev split
-    assert min(len(sets["dev"]), len(sets["test"])) >= 190 and len(sets["old50"]) == 50 and len(sets["goal"]) >= 40
+    # asserts that no test or goal message nor a test near-copy is in the dev split
+    sets = label_quality.load_sets()
+    assert (min(len(sets["dev"]), len(sets["test"])) >= 190 and len(sets["old50"]) == 50
+            and len(sets["goal"]) >= 40)
     for name in ("dev", "test"):  # both sides hold helpful messages and the frequent unhelpful kinds
         assert {r.label for r in sets[name]} == {0, 1} and max(r.steps for r in sets[name]) > 100_000
-        assert all(0 < r.firsts <= r.steps for r in sets[name] if r.steps)  # a pay weight is at most the steps
+        # a pay weight is at most the steps
+        assert all(0 < r.firsts <= r.steps for r in sets[name] if r.steps)
     kinds = {r.kind for r in sets["goal"]}  # the goal's events and the near-misses that must not pay
-    assert {"descend by stairs", "pet picks up", "pet kills", "gold picked up", "player dies or starves"} <= kinds
+    assert {"descend by stairs", "pet picks up", "pet kills", "gold picked up",
+            "player dies or starves"} <= kinds
     Row = label_quality.Row
     rows = [Row("It's a wall.", 90, 0, "a", 2.0, ""), Row("Never mind.", 10, 0, "b", 8.0, ""),
             Row("You kill the newt!", 3, 1, "c", 3.0, ""), Row("$ - 2 gold pieces.", 1, 1, "d", 1.0, "")]
-    # one label in four wrong, on the message that showed on 90 of 100 unhelpful steps but on 2 of 10 first sightings
+    # one label in four wrong, on the message that showed on 90 of 100 unhelpful steps but on 2 of 10 first
+    # sightings
     assert label_quality.figures(rows, [1, 0, 1, 1]) == (0.75, 0.9, 1.0, 0.2, 1.0)
     assert label_quality.figures(rows, [0, 0, 0, 1]) == (0.75, 0.0, 0.25, 0.0, 0.25)
     # pairs (helpful, unhelpful) by score: 3-(-1) and 0.2-(-1) prefer the helpful one; 0.2-0.1 is a tie
@@ -72,37 +87,46 @@ def test_label_quality_weighs_by_steps_and_pay_and_keeps_the_test_and_goal_sets_
 
 def test_runs_reads_the_labels_of_a_run_still_writing_them(tmp_path):
     """A run killed mid-write, or still running, cut the last line of labels.jsonl: runs.llm_labels raised."""
-    from benchmarks import runs
-    (tmp_path / "labels.jsonl").write_text('{"caption": "You kill the newt!", "label": 1}\n{"caption": "It\'s a wall.", '
-                                           '"label": 0}\n{"caption": "You see')
+    import runs
+    (tmp_path / "labels.jsonl").write_text('{"caption": "You kill the newt!", "label": 1}\n'
+                                           '{"caption": "It\'s a wall.", "label": 0}\n{"caption": "You see')
     assert runs.llm_labels(str(tmp_path)) == {"You kill the newt!": 1, "It's a wall.": 0}
 
 
 def test_label_scale_prints_each_figure_of_each_case():
-    result = subprocess.run([sys.executable, "benchmarks/label_scale.py", "--captions", "1500", "--pairs", "300",
-                             "--http-captions", "300"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, "benchmarks/label_scale.py", "--captions", "1500", "--pairs",
+                             "300", "--http-captions", "300"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
-    rows = [line.strip("|").split("|") for line in result.stdout.splitlines() if line.startswith("| ") and "figure" not in line]
+    rows = [line.strip("|").split("|") for line in result.stdout.splitlines()
+            if line.startswith("| ") and "figure" not in line]
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     import label_scale
-    assert [(case.split()[0], label.strip()) for case, label, _ in rows] == [(c, label) for c, _, label in label_scale.ROWS]
+    assert [(case.split()[0], label.strip()) for case, label, _ in rows] == [
+        (c, label) for c, _, label in label_scale.ROWS]
     figures = {(case.split()[0], label.strip()): float(value.replace(",", "")) for case, label, value in rows}
     assert all(value >= 0 for value in figures.values())  # every figure measured, none "n/a"
-    assert figures["captions", "learner process peak RSS, MB"] > 0 and figures["http", "labels/s over HTTP (fake LLM)"] > 0
+    assert (figures["captions", "learner process peak RSS, MB"] > 0
+            and figures["http", "labels/s over HTTP (fake LLM)"] > 0)
     assert figures["unanswered", "captions it sends"] == 1550  # the synthetic captions and the 50 common ones
     assert figures["pairs", "pairs trained on"] == 300
 
 
 def test_pipeline_ceiling_measures_the_pipeline_on_a_null_env_shaped_like_the_real_one():
-    result = subprocess.run([sys.executable, "benchmarks/pipeline_ceiling.py", "--num-workers", "1", "--num-envs-per-worker",
-                             "4", "--batch-size", "256", "--seconds", "2", "--warmup", "0.5"],
+    result = subprocess.run([sys.executable, "benchmarks/pipeline_ceiling.py", "--num-workers", "1",
+                             "--num-envs-per-worker", "4", "--batch-size", "256", "--seconds", "2",
+                             "--warmup", "0.5"],
                             cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
-    row = next(line.strip("|").split("|") for line in result.stdout.splitlines() if line.startswith("| 1x4x256 | now |"))
-    sps, process_us, main_us, learner_us, workers_us, cores, lag = (float(value.replace(",", "")) for value in row[2:])
-    assert min(sps, process_us, main_us, learner_us, cores) > 0 and workers_us >= 0 and lag >= 0  # /proc: 10 ms ticks
+    row = next(line.strip("|").split("|") for line in result.stdout.splitlines()
+               if line.startswith("| 1x4x256 | now |"))
+    sps, process_us, main_us, learner_us, workers_us, cores, lag = (
+        float(value.replace(",", "")) for value in row[2:])
+    assert (min(sps, process_us, main_us, learner_us, cores) > 0
+            and workers_us >= 0 and lag >= 0)  # /proc: 10 ms ticks
     assert "ESTIMATE for 16 cores" in result.stdout
-    # the null env gives what envs.NetHackTask gives: observation keys, shapes, dtypes, the info and episode keys
+    # the null env gives what envs.NetHackTask gives: observation keys, shapes, dtypes, the info and episode
+    # keys
     sys.path[:0] = [ROOT, os.path.join(ROOT, "benchmarks")]
     import envs
     from pipeline_ceiling import NullEnv
@@ -121,9 +145,10 @@ def test_pipeline_ceiling_measures_the_pipeline_on_a_null_env_shaped_like_the_re
 
 
 def test_classifier_replay_replays_a_run_s_labels_through_the_classifier_and_its_gate(tmp_path):
-    """A run dir of 60 labels (wall-like messages on most steps) replayed: the trainer's schedule, a gate verdict per
-    burst, and the shares of pay and steps the classifier gives each class of its labels."""
-    labels = [(f"You kill the thing {i}!", 1, 3) for i in range(20)] + [(f"It's wall {i}.", 0, 500) for i in range(40)]
+    """A run dir of 60 labels (wall-like messages on most steps) replayed: the trainer's schedule, a gate
+    verdict per burst, and the shares of pay and steps the classifier gives each class of its labels."""
+    labels = [(f"You kill the thing {i}!", 1, 3) for i in range(20)] + [
+        (f"It's wall {i}.", 0, 500) for i in range(40)]
     with open(tmp_path / "labels.jsonl", "w") as f:
         f.writelines(f'{{"caption": "{text}", "label": {label}}}\n' for text, label, _ in labels)
     with open(tmp_path / "messages.tsv", "w") as f:

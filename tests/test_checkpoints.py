@@ -1,5 +1,5 @@
-"""Checkpoints hold only what torch.load(weights_only=True) reads, so that loading a shared one cannot run code;
-one that needs pickle, or of another format, is refused; bad files are one-line errors."""
+"""Checkpoints hold only what torch.load(weights_only=True) reads, so that loading a shared one cannot run
+code; one that needs pickle, or of another format, is refused; bad files are one-line errors."""
 import collections
 import dataclasses
 import json
@@ -29,8 +29,8 @@ class WritesAFile:
 
 
 def saved_run(tmp_path, reward_type):
-    """A learner's state as train() holds it, trained a little: the policy and its optimizer after a step, the reward
-    model after a few batches of STEPS (classification and ranking: trained and published)."""
+    """A learner's state as train() holds it, trained a little: the policy and its optimizer after a step, the
+    reward model after a few batches of STEPS (classification and ranking: trained and published)."""
     torch.manual_seed(0)
     args = oni_appo.Args(reward_type=reward_type, batch_size=256, extrinsic_coef=0.0, run_dir=str(tmp_path))
     agent = oni_appo.Agent()
@@ -114,11 +114,13 @@ def test_a_checkpoint_of_another_format_is_refused_in_one_line_that_names_the_wa
     checkpoint = torch.load(path, weights_only=True)
     assert checkpoint["format"] == oni_appo.CHECKPOINT_FORMAT
     for form in (None, oni_appo.CHECKPOINT_FORMAT + 1):
-        torch.save({k: v for k, v in checkpoint.items() if k != "format"} | ({"format": form} if form else {}), path)
-        for load in (lambda: oni_appo.load_checkpoint(str(path)), lambda: oni_appo.parse_args(["--resume", str(path)])):
-            assert refusal(load) == (f"error: {path} is a checkpoint of format {form or 'none'}; this code reads "
-                                     f"format {oni_appo.CHECKPOINT_FORMAT}: use the commit that wrote it (its "
-                                     "summary.json's sessions name it)")
+        torch.save({k: v for k, v in checkpoint.items() if k != "format"}
+                   | ({"format": form} if form else {}), path)
+        for load in (lambda: oni_appo.load_checkpoint(str(path)),
+                     lambda: oni_appo.parse_args(["--resume", str(path)])):
+            assert refusal(load) == (f"error: {path} is a checkpoint of format {form or 'none'}; this code "
+                                     f"reads format {oni_appo.CHECKPOINT_FORMAT}: use the commit that wrote "
+                                     "it (its summary.json's sessions name it)")
 
 
 @pytest.mark.parametrize("reward_type", ["retrieval", "classification", "ranking"])
@@ -134,16 +136,18 @@ def test_a_saved_checkpoint_loads_safely_and_resumes_as_the_state_itself(tmp_pat
     assert_same(checkpoint["optimizer"], run.optimizer.state_dict())
     assert_same(resumed_state(run, checkpoint), resumed_state(run, in_memory))
     assert checkpoint["intrinsic"]["seen"][0] and isinstance(checkpoint["intrinsic"]["seen"][1], torch.Tensor)
-    assert oni_appo.loadable({"n": np.float64(0.5), "c": collections.Counter(a=1)}) == {"n": 0.5, "c": {"a": 1}}
+    assert oni_appo.loadable({"n": np.float64(0.5), "c": collections.Counter(a=1)}) == {
+        "n": 0.5, "c": {"a": 1}}
 
 
 def test_a_checkpoint_counts_the_steps_learned_and_a_resume_collects_again_from_there(tmp_path, capsys):
-    """A checkpoint holds the steps learned, not the ones collected ahead of them. A resume collects again from
-    there and keeps the episodes that ended up to there."""
+    """A checkpoint holds the steps learned, not the ones collected ahead of them. A resume collects again
+    from there and keeps the episodes that ended up to there."""
     run = saved_run(tmp_path, "retrieval")  # 512 steps learned (2 updates of 256), 640 collected
     oni_appo.save(run)
     path = tmp_path / "checkpoint.pt"
-    assert torch.load(path, weights_only=True)["counters"] == {"learned_steps": 512, "updates": 2, "episodes": 1}
+    assert torch.load(path, weights_only=True)["counters"] == {"learned_steps": 512, "updates": 2,
+                                                               "episodes": 1}
     (tmp_path / "episodes.jsonl").write_text("".join(json.dumps({"return": 0.0, "env_steps": s}) + "\n"
                                                      for s in (100, 512, 600)))
     args = dataclasses.replace(run.args, resume=str(path))
@@ -167,7 +171,8 @@ def test_a_truncated_or_foreign_file_is_a_one_line_error(tmp_path, recwarn):
         (tmp_path / name).write_bytes(data)
     np.save(tmp_path / "array.npy", np.zeros(3))
     torch.save(run.agent.state_dict(), tmp_path / "weights.pt")  # a bare state_dict, as other projects save
-    torch.save({"format": 1, "model": {}, "args": ["--seed", "1"], "counters": {}}, tmp_path / "other.pt")  # not ours
+    torch.save({"format": 1, "model": {}, "args": ["--seed", "1"], "counters": {}},
+               tmp_path / "other.pt")  # not ours
     for name in ("weights.pt", "other.pt"):  # other.pt: an AttributeError and its traceback
         assert refusal(lambda: oni_appo.load_checkpoint(str(tmp_path / name))) == (
             f"error: {tmp_path / name} is not a checkpoint of oni_appo.py")
@@ -179,8 +184,10 @@ def test_a_truncated_or_foreign_file_is_a_one_line_error(tmp_path, recwarn):
     assert not recwarn.list
 
 
-def test_a_checkpoint_the_disk_cannot_hold_leaves_the_last_whole_one_and_no_partial_file(tmp_path, monkeypatch):
-    """Guards issue 45 item 4: a full disk at a checkpoint left a partial checkpoint.pt.tmp beside the last one."""
+def test_a_checkpoint_the_disk_cannot_hold_leaves_the_last_whole_one_and_no_partial_file(
+        tmp_path, monkeypatch):
+    """Guards issue 45 item 4: a full disk at a checkpoint left a partial checkpoint.pt.tmp beside the last
+    one."""
     path = str(tmp_path / "checkpoint.pt")
     oni_appo.write_checkpoint({"format": 1, "counters": {"updates": 1}}, path)
 

@@ -89,7 +89,8 @@ def test_staircase_success_on_a_real_descent(task, depth):
         obs, reward, term, trunc, info = descend_stairs(env)
         # the stairs message survives the automatic --More-- skip
         assert b"You descend the stairs." in text(obs)
-        assert obs["blstats"][nethack.NLE_BL_DLEVEL] == level and obs["blstats"][nethack.NLE_BL_DNUM] == 0  # not the Mines
+        # not the Mines
+        assert obs["blstats"][nethack.NLE_BL_DLEVEL] == level and obs["blstats"][nethack.NLE_BL_DNUM] == 0
         if level < depth:
             assert (reward, term) == (0.0, False)
     assert (reward, term, trunc) == (envs.SUCCESS_REWARD, True, False)

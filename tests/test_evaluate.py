@@ -1,7 +1,7 @@
-"""evaluate.py --record on short real episodes, one cut at its step limit and one ending in death: the page holds
-each step's screen after that step and what the learner would pay (both recomputed here on the same game replayed,
-by NLE and the project's reward code), opens in a real headless chromium, and NLE's ttyrec reader reads NLE's
-recording, every step's screen among its frames. Recording changes no action."""
+"""evaluate.py --record on short real episodes, one cut at its step limit and one ending in death: the page
+holds each step's screen after that step and what the learner would pay (both recomputed here on the same game
+replayed, by NLE and the project's reward code), opens in a real headless chromium, and NLE's ttyrec reader
+reads NLE's recording, every step's screen among its frames. Recording changes no action."""
 import dataclasses
 import errno
 import json
@@ -23,20 +23,23 @@ import reward_models
 
 STEPS, SEED = 40, 3
 HELPFUL = "Unknown command '^M'."  # MORE with no --More-- up: a random policy shows it often, with growing N
-SMITTEN = "Suddenly, a bolt of lightning strikes you!  You fry to a crisp!"  # the praying policy's death at SEED
+# the praying policy's death at SEED
+SMITTEN = "Suddenly, a bolt of lightning strikes you!  You fry to a crisp!"
 
 
 def save_run(run_dir, args, agent, labels=()):
     """A run dir as oni_appo.py leaves it: the checkpoint and the LLM's labels."""
     torch.save({"format": 1, "model": agent.state_dict(), "args": dataclasses.asdict(args), "counters": {}},
                run_dir / "checkpoint.pt")
-    (run_dir / "labels.jsonl").write_text("".join(json.dumps({"caption": c, "label": 1}) + "\n" for c in labels))
+    (run_dir / "labels.jsonl").write_text("".join(json.dumps({"caption": c, "label": 1}) + "\n"
+                                                  for c in labels))
     return str(run_dir)
 
 
 def page_data(run_dir):
     page = open(run_dir / "replay" / "episode0.html").read()
-    return json.loads(re.search(r'<script id="data" type="application/json">(.*?)</script>', page, re.S).group(1))
+    return json.loads(
+        re.search(r'<script id="data" type="application/json">(.*?)</script>', page, re.S).group(1))
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +55,8 @@ def recorded(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def died(tmp_path_factory):
-    """A policy that only prays or answers y: its god strikes it down at step 24, a step the LLM labelled helpful."""
+    """A policy that only prays or answers y: its god strikes it down at step 24, a step the LLM labelled
+    helpful."""
     run_dir = tmp_path_factory.mktemp("died")
     args = oni_appo.Args(reward_type="retrieval", extrinsic_coef=0.1, max_episode_steps=200, seed=SEED)
     agent = oni_appo.Agent()
@@ -66,8 +70,8 @@ def died(tmp_path_factory):
 
 
 def replayed(args, data, labels):
-    """The page's game played again by NLE with its actions (evaluate.py's first env's seed): each step's message,
-    N, env reward, end, screen after it, and what the learner's reward code pays it."""
+    """The page's game played again by NLE with its actions (evaluate.py's first env's seed): each step's
+    message, N, env reward, end, screen after it, and what the learner's reward code pays it."""
     env = envs.make_env(args.task, seed=10_000_019 * (SEED + 1), max_episode_steps=args.max_episode_steps,
                         extra_keys=evaluate.TTY_KEYS)
     env.reset()
@@ -82,11 +86,13 @@ def replayed(args, data, labels):
     env.close()
     intrinsic = reward_models.IntrinsicReward(args, torch.device("cpu"))
     intrinsic.add_labels([{"caption": c, "label": 1} for c in labels])
-    reward, paid, _ = intrinsic.rewards(torch.tensor(env_rewards)[:, None], torch.from_numpy(np.stack(messages))[:, None],
+    reward, paid, _ = intrinsic.rewards(torch.tensor(env_rewards)[:, None],
+                                        torch.from_numpy(np.stack(messages))[:, None],
                                         torch.tensor(counts)[:, None], torch.tensor(terminal)[:, None])
     texts = [envs.message_bytes(m).decode("latin-1") for m in messages]
-    return dict(texts=texts, counts=counts, env_rewards=env_rewards, terminated=terminated, truncated=truncated,
-                screens=screens, reward=evaluate.rounded(reward[:, 0].tolist()), paid=evaluate.rounded(paid[:, 0].tolist()))
+    return dict(texts=texts, counts=counts, env_rewards=env_rewards, terminated=terminated,
+                truncated=truncated, screens=screens, reward=evaluate.rounded(reward[:, 0].tolist()),
+                paid=evaluate.rounded(paid[:, 0].tolist()))
 
 
 def assert_the_page_is_the_game(data, game):
@@ -116,7 +122,8 @@ def test_the_page_holds_every_step_and_what_the_learner_would_pay(recorded):
     assert game["truncated"] and not game["terminated"]
     assert_the_page_is_the_game(data, game)
     helpful = [t for t, i in enumerate(data["message"]) if data["messages"][i] == HELPFUL]
-    assert len(helpful) >= 2 and data["paid"][helpful[1]] == 1 / 2 ** args.count_beta  # the test means something
+    # the test means something
+    assert len(helpful) >= 2 and data["paid"][helpful[1]] == 1 / 2 ** args.count_beta
     assert all(data["value"][t] == 1 for t in helpful) and sum(map(bool, data["value"])) == len(helpful)
     assert data["labels"][data["message"][helpful[0]]] == 1
     assert len(json.dumps(data)) < 400 * STEPS  # the frames are the changed cells, not 1,920 a step
@@ -128,7 +135,8 @@ def test_a_death_ends_on_the_games_last_screen_and_its_last_words(died):
     assert game["terminated"] and len(data["frames"]) == 24
     assert_the_page_is_the_game(data, game)
     last = screens(data)[-1][0].tobytes().decode("latin-1")
-    assert "Killed by the wrath of" in last and "Cannot open file" not in last  # the score list, not NLE's error
+    # the score list, not NLE's error
+    assert "Killed by the wrath of" in last and "Cannot open file" not in last
     assert data["messages"][data["message"][-1]] == SMITTEN and data["paid"][-1] == game["paid"][-1] == 1
 
 
@@ -145,14 +153,15 @@ def test_recording_changes_no_action(tmp_path):
 
 
 def test_random_actions_play_the_same_games_whatever_the_policy(tmp_path):
-    """learning_curves.py --eval evaluates random actions once per task and seed and shares it among the runs."""
+    """learning_curves.py --eval evaluates random actions once per task and seed and shares it among the
+    runs."""
     args = oni_appo.Args(reward_type="none", max_episode_steps=STEPS, seed=SEED)
     played = []
     for name, init in (("a", 0), ("b", 1)):  # two different policies
         os.makedirs(tmp_path / name)
         torch.manual_seed(init)
-        evaluate.evaluate(evaluate.Args(save_run(tmp_path / name, args, oni_appo.Agent()), episodes=3, random=True,
-                                        device="cpu"))
+        evaluate.evaluate(evaluate.Args(save_run(tmp_path / name, args, oni_appo.Agent()), episodes=3,
+                                        random=True, device="cpu"))
         played.append(json.load(open(tmp_path / name / "eval_random.json"))["episodes"])
     assert played[0] == played[1] and len({json.dumps(e) for e in played[0]}) > 1
 
@@ -168,7 +177,8 @@ def test_nle_reads_its_ttyrec_and_every_step_screen_is_one_of_its_frames(recorde
     assert STEPS < frames < n  # --More-- pages and the game's end are frames of their own
     j = 0
     for step, screen in enumerate(screens(data)):  # in order
-        while j < frames and not ((chars[j] == screen[0]).all() and (colours[j].view(np.uint8) == screen[1]).all()):
+        while j < frames and not ((chars[j] == screen[0]).all()
+                                  and (colours[j].view(np.uint8) == screen[1]).all()):
             j += 1
         assert j < frames, f"step {step + 1}'s screen is not in the ttyrec"
 
@@ -179,16 +189,19 @@ def test_nle_reads_its_ttyrec_and_every_step_screen_is_one_of_its_frames(recorde
 def test_the_page_opens_in_headless_chromium(recorded):
     run_dir, _, data = recorded
     dom = subprocess.run(["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--dump-dom",
-                          f"file://{run_dir}/replay/episode0.html"], capture_output=True, text=True, timeout=60).stdout
+                          f"file://{run_dir}/replay/episode0.html"], capture_output=True, text=True,
+                         timeout=60).stdout
     assert f'data-frames="{STEPS}"' in dom  # set by the page's script once it ran
     first = data["messages"][data["message"][0]] or "(none)"
-    assert re.search(r'<td id="message">(.*?)</td>', dom).group(1) == first.replace("&", "&amp;").replace("<", "&lt;")
+    assert (re.search(r'<td id="message">(.*?)</td>', dom).group(1)
+            == first.replace("&", "&amp;").replace("<", "&lt;"))
     assert re.search(r'<span id="at">(.*?)</span>', dom).group(1) == f"step 1 / {STEPS}"
 
 
 def test_random_records_too_and_an_unwritable_dir_is_one_line(recorded, tmp_path):
     run_dir, _, _ = recorded
-    evaluate.evaluate(evaluate.Args(str(run_dir), episodes=1, random=True, record=str(tmp_path / "r"), device="cpu"))
+    evaluate.evaluate(evaluate.Args(str(run_dir), episodes=1, random=True, record=str(tmp_path / "r"),
+                                    device="cpu"))
     assert sorted(os.listdir(tmp_path / "r")) == ["episode0.html", f"episode0{evaluate.TTYREC}"]
     (tmp_path / "file").write_text("")
     with pytest.raises(SystemExit, match=r"^error: cannot write replays to .*/file/replay: "):
@@ -259,10 +272,11 @@ class Played:
 
 
 def test_random_plays_uniform_draws_that_do_not_depend_on_the_policy(tmp_path, monkeypatch):
-    """Every "x random" column rests on --random. Untrained policies are near uniform, so the test above passes
-    with --random playing the policy: here two policies sure of different actions must play, with --random, the
-    very actions a uniform policy draws from the same stream, and without it their own."""
-    args, played, real_make = oni_appo.Args(reward_type="none", max_episode_steps=STEPS, seed=SEED), [], envs.make_env
+    """Every "x random" column rests on --random. Untrained policies are near uniform, so the test above
+    passes with --random playing the policy: here two policies sure of different actions must play, with
+    --random, the very actions a uniform policy draws from the same stream, and without it their own."""
+    args, played, real_make = (oni_appo.Args(reward_type="none", max_episode_steps=STEPS, seed=SEED), [],
+                               envs.make_env)
     monkeypatch.setattr(envs, "make_env", lambda *a, **kw: Played(real_make(*a, **kw), played))
 
     def actions(sure_of, random):  # one episode's actions of a policy sure of one action (None: uniform)
@@ -273,7 +287,8 @@ def test_random_plays_uniform_draws_that_do_not_depend_on_the_policy(tmp_path, m
             if sure_of is not None:
                 agent.actor.bias[sure_of] = 50.0
         os.makedirs(run_dir)
-        evaluate.evaluate(evaluate.Args(save_run(run_dir, args, agent), episodes=1, random=random, device="cpu"))
+        evaluate.evaluate(evaluate.Args(save_run(run_dir, args, agent), episodes=1, random=random,
+                                        device="cpu"))
         return played[-1]
     uniform = actions(None, False)
     assert actions(3, True) == actions(7, True) == uniform and len(set(uniform)) > 5
@@ -281,8 +296,8 @@ def test_random_plays_uniform_draws_that_do_not_depend_on_the_policy(tmp_path, m
 
 
 def read_only(path):
-    """A command prefix that runs a command with path read-only: root ignores modes, so a read-only bind mount in
-    a mount namespace of its own (skipped where there is none); other users get mode 0o555."""
+    """A command prefix that runs a command with path read-only: root ignores modes, so a read-only bind mount
+    in a mount namespace of its own (skipped where there is none); other users get mode 0o555."""
     if os.geteuid():
         os.chmod(path, 0o555)
         return []
@@ -304,8 +319,10 @@ def test_an_unwritable_run_dir_is_one_line_before_any_episode_is_played(tmp_path
 
 
 def test_eval_json_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
-    """A disk that fills while eval.json is written left it cut short, for a driver to read, and a traceback."""
-    run_dir = save_run(tmp_path, oni_appo.Args(reward_type="none", max_episode_steps=6, seed=SEED), oni_appo.Agent())
+    """A disk that fills while eval.json is written left it cut short, for a driver to read, and a
+    traceback."""
+    run_dir = save_run(tmp_path, oni_appo.Args(reward_type="none", max_episode_steps=6, seed=SEED),
+                       oni_appo.Agent())
     (tmp_path / "eval.json").write_text('{"earlier": true}')
 
     def dump(value, f, **kwargs):  # half of it, then the disk is full

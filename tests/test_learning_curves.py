@@ -30,7 +30,8 @@ def synthetic(tmp_path):
             del e["intrinsic_return"], e["intrinsic_rewarded_fraction"]
         write_episodes(tmp_path / "cfg" / f"seed{seed}" / "episodes.jsonl", episodes)
     write_episodes(tmp_path / "run" / "episodes.jsonl", [
-        {"return": 1.0, "steps": 7, "score": 2 * i, "kills": 0, "depth": 2, "explored": 30} for i in range(300)])
+        {"return": 1.0, "steps": 7, "score": 2 * i, "kills": 0, "depth": 2, "explored": 30}
+        for i in range(300)])
     # seed 1 resumed once at another commit, with uncommitted changes; seed 2 and run from before the record
     sessions = [{"commit": c * 40, "uncommitted_changes": dirty} for c, dirty in (("a", False), ("a", False),
                                                                                   ("b", True))]
@@ -63,11 +64,15 @@ def test_table_and_figure(tmp_path, capsys):
     assert cfg["seeds"] == "2" and cfg["env steps"] == "300,001"  # min over seeds of the last env_steps
     assert cfg["score (last 100)"] == "254.50 ± 5.00"  # seeds: mean(200..299) = 249.5 and 259.5
     assert cfg["score (first 100)"] == "54.50 ± 5.00" and cfg["score (best 100)"] == "254.50 ± 5.00"
-    assert cfg["intrinsic_return (last 100)"] == "0.50 ± 0.00" and cfg["episode steps (last 100)"] == "10.00 ± 0.00"
+    assert (cfg["intrinsic_return (last 100)"] == "0.50 ± 0.00"
+            and cfg["episode steps (last 100)"] == "10.00 ± 0.00")
     assert cfg["score / 1,000 steps (last 100)"] == "25450.00 ± 500.00"  # per step: 254.5 a 10-step episode
-    assert cfg["median score (last 100)"] == "254.50 ± 5.00" and cfg["kills / 1,000 steps (last 100)"] == "100.00 ± 0.00"
-    assert cfg["XL ≥ 2 % (last 100)"] == "50.00 ± 50.00" and cfg["Dlvl ≥ 2 % (last 100)"] == "0.00 ± 0.00"
-    assert run["Dlvl ≥ 2 % (last 100)"] == "100.00" and run["XL ≥ 2 % (last 100)"] == "nan"  # not recorded
+    assert (cfg["median score (last 100)"] == "254.50 ± 5.00"
+            and cfg["kills / 1,000 steps (last 100)"] == "100.00 ± 0.00")
+    assert (cfg["XL ≥ 2 % (last 100)"] == "50.00 ± 50.00"
+            and cfg["Dlvl ≥ 2 % (last 100)"] == "0.00 ± 0.00")
+    assert (run["Dlvl ≥ 2 % (last 100)"] == "100.00"
+            and run["XL ≥ 2 % (last 100)"] == "nan")  # not recorded
     assert ends["cfg"]["killed %"] == "not recorded"  # no recorded end in these files
     assert cfg["experience level (last 100)"] == "1.50 ± 0.50"
     paid = "share of an episode's steps paid (last 100)"
@@ -119,26 +124,30 @@ def test_comparisons_claim_beats_only_beyond_the_larger_std_and_read_seed_overla
 
 
 def test_how_episodes_end_comes_from_the_recorded_end_and_the_staircase_is_read_by_success(tmp_path):
-    """Guards issue 43: the tables said nothing of how episodes end (starvation and a god's anger ended a third of
-    the ONI agents'), and a sparse task's configs must be read by their success, against the task reward alone."""
-    wrath = ('The voice of Chih Sung-tzu booms out: "Thou hast angered me." Suddenly, a bolt of lightning strikes '
-             'you! You fry to a crisp!')
-    episodes = [{"end": "died", "end_text": "The jackal bites! You die..."}, {"end": "died", "end_text": wrath},
+    """Guards issue 43: the tables said nothing of how episodes end (starvation and a god's anger ended a
+    third of the ONI agents'), and a sparse task's configs must be read by their success, against the task
+    reward alone."""
+    wrath = ('The voice of Chih Sung-tzu booms out: "Thou hast angered me." Suddenly, a bolt of lightning '
+             'strikes you! You fry to a crisp!')
+    episodes = [{"end": "died", "end_text": "The jackal bites! You die..."},
+                {"end": "died", "end_text": wrath},
                 {"end": "died", "end_text": "The earth elemental of Chih Sung-tzu hits! You die..."},
-                {"end": "starving", "end_text": "You die from starvation."}, {"end": "choking", "end_text": ""},
-                {"end": "time limit"}, {"end": "success"}, {}]
-    assert [lc.end_kind(e) for e in episodes] == ["killed", "prayer", "prayer", "starvation", "other", "time limit",
-                                                   "success", None]
+                {"end": "starving", "end_text": "You die from starvation."},
+                {"end": "choking", "end_text": ""}, {"end": "time limit"}, {"end": "success"}, {}]
+    assert [lc.end_kind(e) for e in episodes] == ["killed", "prayer", "prayer", "starvation", "other",
+                                                  "time limit", "success", None]
     base = {"return": 0.0, "steps": 10, "score": 1, "kills": 0, "depth": 1, "explored": 1, "xlvl": 1}
     for seed, ends in ((1, ["died", "starving", "starving", "time limit"]), (2, ["starving"] * 4)):
         write_episodes(tmp_path / "stairs_x" / f"seed{seed}" / "episodes.jsonl",
                        [dict(base, end=end, env_steps=i) for i, end in enumerate(ends)])
     assert lc.main(["--plot", str(tmp_path / "stairs_x"), "--out", str(tmp_path / "out")]) == 0
     ends = rows(open(tmp_path / "out" / "curves.md").read(), 2)["stairs_x"]
-    assert ends["starvation %"] == "75.00 ± 25.00" and ends["killed %"] == "12.50 ± 12.50"  # seeds: 50% and 100%
+    # seeds: 50% and 100%
+    assert ends["starvation %"] == "75.00 ± 25.00" and ends["killed %"] == "12.50 ± 12.50"
 
     def runs(**success):  # config -> each seed's last-100 success rate
-        return {name: [[{"success": x, "score": 0}] * lc.WINDOW for x in seeds] for name, seeds in success.items()}
+        return {name: [[{"success": x, "score": 0}] * lc.WINDOW for x in seeds]
+                for name, seeds in success.items()}
     text = lc.comparisons(runs(stairs_task=[0.1, 0.2], stairs_ranking=[0.5, 0.6], free_none=[0.0, 0.0]))
     lines = [[c.strip() for c in line.strip("|").split("|")] for line in text.strip().splitlines()[2:]]
     assert lines == [["stairs_ranking", "stairs_task", "success", "+0.40", "0.07", "beats", "no"]]
@@ -146,7 +155,8 @@ def test_how_episodes_end_comes_from_the_recorded_end_and_the_staircase_is_read_
 
 def test_execute(tmp_path):
     with open(tmp_path / "console.log", "a") as log:
-        assert lc.execute([sys.executable, "-c", "import os; print(os.getcwd()); raise SystemExit(3)"], log) == 3
+        assert lc.execute(
+            [sys.executable, "-c", "import os; print(os.getcwd()); raise SystemExit(3)"], log) == 3
     assert open(tmp_path / "console.log").read().strip() == lc.ROOT  # runs in the repo root, output logged
 
 
@@ -158,7 +168,8 @@ def test_runner_commands(tmp_path, monkeypatch):
     (out / "free_none" / "seed2" / "checkpoint.pt").write_bytes(b"")  # interrupted
     write_episodes(out / "free_none" / "seed2" / "episodes.jsonl",  # the resume goes on with it
                    [dict.fromkeys(("score", "kills", "depth", "explored", "steps"), 1)])
-    write_episodes(out / "free_ranking" / "seed1" / "episodes.jsonl", [{"steps": 1}])  # a start that saved nothing
+    write_episodes(out / "free_ranking" / "seed1" / "episodes.jsonl",
+                   [{"steps": 1}])  # a start that saved nothing
     (out / "free_ranking" / "seed1" / "labels.jsonl").write_text('{"caption": "It\'s a wall.", "label": 0}\n')
     calls = []
 
@@ -167,27 +178,29 @@ def test_runner_commands(tmp_path, monkeypatch):
         return 1 if "--resume" in command else 0  # the resume fails
 
     monkeypatch.setattr(lc, "execute", fake_execute)
-    argv = ["--configs", "free_none", "free_ranking", "--seeds", "1", "2", "--out", str(out), "--num-workers", "2",
-            "--", "--llm-url", "http://gpu:8000/v1"]
+    argv = ["--configs", "free_none", "free_ranking", "--seeds", "1", "2", "--out", str(out), "--num-workers",
+            "2", "--", "--llm-url", "http://gpu:8000/v1"]
     assert lc.main(argv) == 1  # a run failed, the others still ran
     run_dirs = [c[c.index("--resume") + 1] if "--resume" in c else c[c.index("--run-dir") + 1] for c in calls]
     assert run_dirs == [str(out / "free_none" / "seed2"), str(out / "free_ranking" / "seed1"),
                         str(out / "free_ranking" / "seed2")]
     resume, fresh = calls[0], calls[1]
-    assert resume[1:] == ["oni_appo.py", "--resume", str(out / "free_none" / "seed2"), "--total-env-steps", "500000",
-                          "--num-workers", "2", "--llm-url", "http://gpu:8000/v1"]
-    assert fresh[1:] == ["oni_appo.py", "--task", "NetHackScoreExtendedActions-v1", "--reward-type", "ranking",
-                         "--extrinsic-coef", "0", "--seed", "1", "--total-env-steps", "500000",
+    assert resume[1:] == ["oni_appo.py", "--resume", str(out / "free_none" / "seed2"), "--total-env-steps",
+                          "500000", "--num-workers", "2", "--llm-url", "http://gpu:8000/v1"]
+    assert fresh[1:] == ["oni_appo.py", "--task", "NetHackScoreExtendedActions-v1", "--reward-type",
+                         "ranking", "--extrinsic-coef", "0", "--seed", "1", "--total-env-steps", "500000",
                          "--run-dir", str(out / "free_ranking" / "seed1"), "--num-workers", "2",
                          "--llm-url", "http://gpu:8000/v1"]
     assert set(json.load(open(out / "wall_times.json"))) == {"free_none/seed2", "free_ranking/seed1",
                                                               "free_ranking/seed2"}
     assert os.path.exists(out / "free_ranking" / "seed1" / "console.log")
-    assert sorted(os.listdir(out / "free_none" / "seed2")) == ["checkpoint.pt", "console.log", "episodes.jsonl"]
+    assert sorted(os.listdir(out / "free_none" / "seed2")) == ["checkpoint.pt", "console.log",
+                                                               "episodes.jsonl"]
     seed1 = out / "free_ranking" / "seed1"
     assert sorted(os.listdir(seed1)) == ["console.log", "earlier_1"]  # set aside, not appended to
     assert sorted(os.listdir(seed1 / "earlier_1")) == ["episodes.jsonl", "labels.jsonl"]
-    write_episodes(seed1 / "episodes.jsonl", [{"steps": 2}])  # killed early again, with its tensorboard events
+    # killed early again, with its tensorboard events
+    write_episodes(seed1 / "episodes.jsonl", [{"steps": 2}])
     (seed1 / "events.out.tfevents.2").write_bytes(b"")
     assert lc.main(["--configs", "free_ranking", "--seeds", "1", "--out", str(out)]) == 0
     assert sorted(os.listdir(seed1 / "earlier_2")) == ["episodes.jsonl", "events.out.tfevents.2"]
@@ -197,16 +210,18 @@ def test_runner_commands(tmp_path, monkeypatch):
     calls.clear()
     assert lc.main(["--configs", "score_extrinsic", "free_none", "--seeds", "1", "--out", str(out),
                     "--steps", "2e9"]) == 0
-    assert calls[0][1:] == ["oni_appo.py", "--task", "NetHackScoreExtendedActions-v1", "--reward-type", "none",
-                            "--seed", "1", "--total-env-steps", "2000000000",
+    assert calls[0][1:] == ["oni_appo.py", "--task", "NetHackScoreExtendedActions-v1", "--reward-type",
+                            "none", "--seed", "1", "--total-env-steps", "2000000000",
                             "--run-dir", str(out / "score_extrinsic" / "seed1")]  # default extrinsic coef
     assert "--run-dir" in calls[1] and "2000000000" in calls[1]  # summary but no checkpoint: a fresh start
 
-    # a finished run with its checkpoint is extended to --steps (the resume applies the flag: test_appo.py)
+    # a finished run with its checkpoint is extended to --steps (the resume applies the flag:
+    # test_whole_runs.py)
     calls.clear()
     (out / "free_none" / "seed1" / "checkpoint.pt").write_bytes(b"")
     assert lc.main(["--configs", "free_none", "--seeds", "1", "--out", str(out), "--steps", "1e6"]) == 1
-    assert calls[0][1:] == ["oni_appo.py", "--resume", str(out / "free_none" / "seed1"), "--total-env-steps", "1000000"]
+    assert calls[0][1:] == ["oni_appo.py", "--resume", str(out / "free_none" / "seed1"), "--total-env-steps",
+                            "1000000"]
 
 
 def test_eval_table_and_commands(tmp_path, monkeypatch):
@@ -219,7 +234,8 @@ def test_eval_table_and_commands(tmp_path, monkeypatch):
     def fake_execute(command, log):  # evaluate.py writes eval.json / eval_random.json
         calls.append(command)
         name = "eval_random.json" if "--random" in command else "eval.json"
-        (run_dir / name).write_text(json.dumps({"episodes": [dict(e, score=e["score"] * 10) for e in episodes]}))
+        (run_dir / name).write_text(
+            json.dumps({"episodes": [dict(e, score=e["score"] * 10) for e in episodes]}))
         return 0
 
     (run_dir / "eval.json").write_text(json.dumps({"episodes": episodes}))  # already evaluated: reused
@@ -230,12 +246,15 @@ def test_eval_table_and_commands(tmp_path, monkeypatch):
     lines = open(out / "eval.md").read().strip().splitlines()
     assert len(lines) == 4
     trained, random = ([c.strip() for c in line.strip("|").split("|")] for line in lines[2:])
-    assert trained[1:4] == ["trained", "2", "3.00 ± 1.00"] and random[1:4] == ["random actions", "2", "30.00 ± 10.00"]
+    assert trained[1:4] == ["trained", "2", "3.00 ± 1.00"] and random[1:4] == [
+        "random actions", "2", "30.00 ± 10.00"]
 
 
-def test_eval_reports_a_failed_evaluation_and_writes_its_table_whole_at_the_end(tmp_path, monkeypatch, capsys):
-    """Guards issue 45 item 5: eval.md was opened for writing before anything was evaluated (one refused checkpoint
-    left an existing eval.md at 0 bytes), and evaluate.py's failures went to /dev/null: exit 0, an empty table."""
+def test_eval_reports_a_failed_evaluation_and_writes_its_table_whole_at_the_end(
+        tmp_path, monkeypatch, capsys):
+    """Guards issue 45 item 5: eval.md was opened for writing before anything was evaluated (one refused
+    checkpoint left an existing eval.md at 0 bytes), and evaluate.py's failures went to /dev/null: exit 0, an
+    empty table."""
     run_dir, out = tmp_path / "cfg" / "seed1", tmp_path / "out"
     os.makedirs(run_dir)
     os.makedirs(out)
@@ -248,7 +267,8 @@ def test_eval_reports_a_failed_evaluation_and_writes_its_table_whole_at_the_end(
     assert lc.main(["--eval", str(tmp_path / "cfg"), "--out", str(out), "--eval-episodes", "3"]) == 1
     err = capsys.readouterr().err
     assert f"error: evaluate.py on {run_dir} exited with 1: error: cannot read checkpoint: cut short" in err
-    assert (out / "eval.md").read_text().startswith("| run | policy |")  # written whole, after the evaluations
+    # written whole, after the evaluations
+    assert (out / "eval.md").read_text().startswith("| run | policy |")
 
     def interrupted(command, log):
         raise KeyboardInterrupt
@@ -266,7 +286,8 @@ def test_eval_plays_random_actions_once_per_task_and_seed(tmp_path, monkeypatch)
     for config, seed in (("a", 1), ("b", 1), ("c", 2)):
         runs[config] = tmp_path / config / "seed1"
         os.makedirs(runs[config])
-        torch.save({"args": {"task": lc.SCORE, "seed": seed, "max_episode_steps": 100}}, runs[config] / "checkpoint.pt")
+        torch.save({"args": {"task": lc.SCORE, "seed": seed, "max_episode_steps": 100}},
+                   runs[config] / "checkpoint.pt")
         (runs[config] / "eval.json").write_text(json.dumps({"episodes": [{k: seed for k in EVAL_KEYS}] * 2}))
     calls = []
 
@@ -301,28 +322,31 @@ def test_eval_record_asks_for_the_first_episodes_replay(tmp_path, monkeypatch):
 
 
 def test_eval_after_evaluates_each_run_once_complete_while_its_checkpoint_is_there(tmp_path, monkeypatch):
-    """--eval-after: results/free_1m's runs lost their checkpoints (not committed) before anyone evaluated them; a
-    run is now evaluated as soon as it completes, and a complete one that was not is evaluated on the next call.
-    Random actions are played once per seed: the second config's run copies the first's."""
+    """--eval-after: results/free_1m's runs lost their checkpoints (not committed) before anyone evaluated
+    them; a run is now evaluated as soon as it completes, and a complete one that was not is evaluated on the
+    next call. Random actions are played once per seed: the second config's run copies the first's."""
     out, EVAL_KEYS = tmp_path / "out", ("score", "kills", "depth", "explored", "steps")
     calls = []
 
     def fake_execute(command, log):
         if command[1] == "oni_appo.py":  # a training run: it ends with a checkpoint and a complete summary
             run_dir = command[command.index("--run-dir") + 1]
-            torch.save({"args": {"task": lc.SCORE, "seed": 1, "max_episode_steps": 100}}, f"{run_dir}/checkpoint.pt")
+            torch.save({"args": {"task": lc.SCORE, "seed": 1, "max_episode_steps": 100}},
+                       f"{run_dir}/checkpoint.pt")
             open(f"{run_dir}/summary.json", "w").write(json.dumps({"env_steps": 1000}))
         else:
             calls.append((os.path.basename(os.path.dirname(command[2])), "--random" in command))
             name = "eval_random.json" if "--random" in command else "eval.json"
-            open(os.path.join(command[2], name), "w").write(json.dumps({"episodes": [{k: 1 for k in EVAL_KEYS}] * 5}))
+            open(os.path.join(command[2], name), "w").write(
+                json.dumps({"episodes": [{k: 1 for k in EVAL_KEYS}] * 5}))
         return 0
     monkeypatch.setattr(lc, "execute", fake_execute)
     monkeypatch.setattr(lc, "report", lambda *a: None)
     assert lc.main(["--configs", "free_none", "--steps", "1000", "--out", str(out), "--eval-after", "5"]) == 0
     assert calls == [("free_none", False), ("free_none", True)]
+    # free_none complete and evaluated: only free_retrieval's policy
     assert lc.main(["--configs", "free_none", "free_retrieval", "--steps", "1000", "--out", str(out),
-                    "--eval-after", "5"]) == 0  # free_none complete and evaluated: only free_retrieval's policy
+                    "--eval-after", "5"]) == 0
     assert calls[2:] == [("free_retrieval", False)]
     assert os.path.exists(out / "free_retrieval" / "seed1" / "eval_random.json")  # copied from free_none's
     assert lc.main(["--configs", "free_none", "--steps", "1000", "--out", str(out)]) == 0 and len(calls) == 3
@@ -332,7 +356,8 @@ def test_eval_after_leaves_a_run_in_progress_alone(tmp_path, monkeypatch):
     """A run still training has a periodic checkpoint: --eval-after of another config must not evaluate it."""
     out = tmp_path / "out"
     os.makedirs(out / "free_none" / "seed1")
-    torch.save({"args": {"task": lc.SCORE, "seed": 1}}, out / "free_none" / "seed1" / "checkpoint.pt")  # in progress
+    torch.save({"args": {"task": lc.SCORE, "seed": 1}},
+               out / "free_none" / "seed1" / "checkpoint.pt")  # in progress
     done = out / "free_retrieval" / "seed1"
     os.makedirs(done)
     torch.save({"args": {"task": lc.SCORE, "seed": 1}}, done / "checkpoint.pt")
@@ -340,12 +365,14 @@ def test_eval_after_leaves_a_run_in_progress_alone(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(lc, "execute", lambda command, log: calls.append(command[2]) or 0)
     monkeypatch.setattr(lc, "report", lambda *a: None)
-    assert lc.main(["--configs", "free_retrieval", "--steps", "1000", "--out", str(out), "--eval-after", "5"]) == 0
+    assert lc.main(
+        ["--configs", "free_retrieval", "--steps", "1000", "--out", str(out), "--eval-after", "5"]) == 0
     assert calls == [str(done), str(done)]  # its policy and random actions, nothing of free_none's
 
 
 def test_random_actions_played_before_are_reused_whatever_the_order(tmp_path, monkeypatch):
-    """A run sorted before one already evaluated played the random games again (free_none after free_retrieval)."""
+    """A run sorted before one already evaluated played the random games again (free_none after
+    free_retrieval)."""
     EVAL_KEYS = ("score", "kills", "depth", "explored", "steps")
     first, evaluated = tmp_path / "free_none" / "seed3", tmp_path / "free_retrieval" / "seed3"
     for run in (first, evaluated):
@@ -366,8 +393,8 @@ def test_random_actions_played_before_are_reused_whatever_the_order(tmp_path, mo
 
 
 def test_eval_after_skips_a_stopped_run_and_a_resume_sets_its_evaluation_aside(tmp_path, monkeypatch):
-    """A run stopped by SIGTERM exits 0 with a checkpoint short of its steps: it was evaluated as if final, and
-    that evaluation stayed once the resumed run completed."""
+    """A run stopped by SIGTERM exits 0 with a checkpoint short of its steps: it was evaluated as if final,
+    and that evaluation stayed once the resumed run completed."""
     out = tmp_path / "out"
     run = out / "free_none" / "seed1"
     calls = []
@@ -388,16 +415,19 @@ def test_eval_after_skips_a_stopped_run_and_a_resume_sets_its_evaluation_aside(t
     assert lc.main(argv) == 0 and calls == ["oni_appo.py"]  # stopped: not evaluated
     (run / "eval.json").write_text(json.dumps({"episodes": []}))  # as an earlier version evaluated it
     assert lc.main(argv) == 0 and calls[1:] == ["oni_appo.py", "evaluate.py", "evaluate.py"]
-    assert os.listdir(run / "earlier_1") == ["eval.json"]  # the earlier evaluation, kept; episodes not (a resume)
+    # the earlier evaluation, kept; episodes not (a resume)
+    assert os.listdir(run / "earlier_1") == ["eval.json"]
 
 
 def test_a_run_dir_a_learner_still_holds_is_left_alone(tmp_path):
-    """Guards a review finding (issue 45): a driver restarted while its killed predecessor's learner still saved
-    moved that learner's episodes and labels aside under it, as from a start killed before its checkpoint."""
+    """Guards a review finding (issue 45): a driver restarted while its killed predecessor's learner still
+    saved moved that learner's episodes and labels aside under it, as from a start killed before its
+    checkpoint."""
     import subprocess
     run_dir = tmp_path / "free_none" / "seed1"
     os.makedirs(run_dir)
-    holder = subprocess.Popen([sys.executable, "-c", "import oni_appo, sys, time; lock = oni_appo.hold(sys.argv[1]); "
+    holder = subprocess.Popen([sys.executable, "-c",
+                               "import oni_appo, sys, time; lock = oni_appo.hold(sys.argv[1]); "
                                "print('held', flush=True); time.sleep(600)", str(run_dir)],
                               cwd=lc.ROOT, stdout=subprocess.PIPE, text=True)
     try:

@@ -25,7 +25,8 @@ MONSTERS = ["newt", "jackal", "grid bug", "lichen", "kobold", "gnome", "sewer ra
 def make_args(**overrides):
     args = SimpleNamespace(reward_type="none", extrinsic_coef=0.1, intrinsic_coef=0.4, reward_scale=0.1,
                            reward_clip=10.0, count_beta=3.0, raw_ranking=False, llm_url=[], llm_model=None,
-                           prompt_file=None, labels_from=None, resume=None, seed=0, num_workers=1, llm_threads=None)
+                           prompt_file=None, labels_from=None, resume=None, seed=0, num_workers=1,
+                           llm_threads=None)
     args.__dict__.update(overrides)
     return args
 
@@ -33,7 +34,8 @@ def make_args(**overrides):
 def test_count_normalization_and_mix():
     values = torch.tensor([1.0, 1.0, 1.0, 0.5])
     counts = torch.tensor([1, 2, 3, 2])
-    torch.testing.assert_close(rm.count_normalized(values, counts, 3.0), torch.tensor([1.0, 1 / 8, 1 / 27, 0.5 / 8]))
+    torch.testing.assert_close(rm.count_normalized(values, counts, 3.0),
+                               torch.tensor([1.0, 1 / 8, 1 / 27, 0.5 / 8]))
     args = make_args()
     paid = rm.count_normalized(torch.tensor([1.0, 0.0]), torch.tensor([2, 1]), args.count_beta)
     total = rm.mix(torch.tensor([500.0, 20.0]), paid, args)
@@ -56,7 +58,8 @@ def test_classifier_fits_its_labels_and_generalizes_to_new_monsters():
     rng = np.random.default_rng(0)
     train_monsters, held_out = MONSTERS[:12], MONSTERS[12:]
     model = rm.IntrinsicReward(make_args(reward_type="classification"), "cpu")
-    assert model.piece.score(rm.to_rows(["You kill the newt!"]), ["You kill the newt!"]).item() == 0.0  # untrained
+    # untrained
+    assert model.piece.score(rm.to_rows(["You kill the newt!"]), ["You kill the newt!"]).item() == 0.0
     # a skewed label set (few positives) checks the class balancing
     data = dict(good_or_bad(rng, train_monsters) for _ in range(400))
     positives = [t for t, v in data.items() if v == 1][:15]
@@ -129,7 +132,8 @@ def test_ranking_reward_is_a_step_weighted_z_score_paid_above_its_bar():
 
 
 def test_empty_message_gets_no_intrinsic_reward():
-    model = rm.IntrinsicReward(make_args(reward_type="retrieval", intrinsic_coef=1.0, extrinsic_coef=0.0), "cpu")
+    model = rm.IntrinsicReward(
+        make_args(reward_type="retrieval", intrinsic_coef=1.0, extrinsic_coef=0.0), "cpu")
     model.add_labels([{"caption": "", "label": 1}, {"caption": "You kill the newt!", "label": 1}])
     messages = rm.to_rows(["", "You kill the newt!", "It's a wall."]).view(3, 1, 256)
     rewards, _, _ = model.rewards(torch.zeros(3, 1), messages, torch.ones(3, 1, dtype=torch.int32),
@@ -138,27 +142,32 @@ def test_empty_message_gets_no_intrinsic_reward():
 
 
 def test_messages_tsv_counts_steps_and_what_each_message_paid(tmp_path):
-    model = rm.IntrinsicReward(make_args(reward_type="retrieval", intrinsic_coef=1.0, extrinsic_coef=0.0), "cpu")
+    model = rm.IntrinsicReward(
+        make_args(reward_type="retrieval", intrinsic_coef=1.0, extrinsic_coef=0.0), "cpu")
     model.add_labels([{"caption": "You kill the newt!", "label": 1}, {"caption": "It's a wall.", "label": 0}])
     texts = ["You kill the newt!", "It's a wall.", "", "You kill the newt!", "You kill the newt!"]
-    counts = torch.tensor([[1], [1], [1], [2], [1]], dtype=torch.int32)  # the second kill: seen twice this episode
+    # the second kill: seen twice this episode
+    counts = torch.tensor([[1], [1], [1], [2], [1]], dtype=torch.int32)
     for _ in range(2):
-        model.rewards(torch.zeros(5, 1), rm.to_rows(texts).view(5, 1, 256), counts, torch.zeros(5, 1, dtype=torch.bool))
+        model.rewards(torch.zeros(5, 1), rm.to_rows(texts).view(5, 1, 256), counts,
+                      torch.zeros(5, 1, dtype=torch.bool))
     model.write_messages(tmp_path / "messages.tsv")
     rows = [line.split("\t") for line in open(tmp_path / "messages.tsv").read().splitlines()]
     assert rows[0] == ["message", "steps", "label", "reward_now", "paid", "firsts"]
-    # per batch the kills paid 1 + 1/8 + 1: R / N^3 summed over steps, not over distinct messages; firsts, the pay
-    # weight, is the same sum with R = 1 whatever the label (a wall seen first twice: 2)
+    # per batch the kills paid 1 + 1/8 + 1: R / N^3 summed over steps, not over distinct messages; firsts, the
+    # pay weight, is the same sum with R = 1 whatever the label (a wall seen first twice: 2)
     assert rows[1:] == [["You kill the newt!", "6", "1", "1.0000", "4.2500", "4.2500"],
                         ["(none)", "2", "", "0.0000", "0.0000", "2.0000"],
                         ["It's a wall.", "2", "0", "0.0000", "0.0000", "2.0000"]]
 
 
 def test_message_counts_hold_no_object_the_garbage_collector_walks():
-    """Guards: a [steps, paid] list a message made every full GC pass walk 1e6 lists at paper scale (0.2-0.3 s pauses
-    of the learner); the counts are now two dicts of numbers: a new message adds no object the collector tracks."""
+    """Guards: a [steps, paid] list a message made every full GC pass walk 1e6 lists at paper scale (0.2-0.3 s
+    pauses of the learner); the counts are now two dicts of numbers: a new message adds no object the
+    collector tracks."""
     import gc
-    model = rm.IntrinsicReward(make_args(reward_type="retrieval", intrinsic_coef=1.0, extrinsic_coef=0.0), "cpu")
+    model = rm.IntrinsicReward(
+        make_args(reward_type="retrieval", intrinsic_coef=1.0, extrinsic_coef=0.0), "cpu")
     model.add_labels([{"caption": "You kill the newt!", "label": 1}])
     texts = ["You kill the newt!", "It's a wall.", ""]
     model.rewards(torch.zeros(3, 1), rm.to_rows(texts).view(3, 1, 256), torch.ones(3, 1, dtype=torch.int32),
@@ -166,20 +175,22 @@ def test_message_counts_hold_no_object_the_garbage_collector_walks():
     many = [f"You see here {i} gold pieces." for i in range(2000)]
     gc.collect()
     before = len(gc.get_objects())
-    model.rewards(torch.zeros(2000, 1), rm.to_rows(many).view(2000, 1, 256), torch.ones(2000, 1, dtype=torch.int32),
-                  torch.zeros(2000, 1, dtype=torch.bool))
+    model.rewards(torch.zeros(2000, 1), rm.to_rows(many).view(2000, 1, 256),
+                  torch.ones(2000, 1, dtype=torch.int32), torch.zeros(2000, 1, dtype=torch.bool))
     gc.collect()
     assert len(gc.get_objects()) - before < 100 and len(model.seen) == 2003  # a list a message: 2,000 more
     for text in many:
         del model.seen[text], model.paid[text], model.firsts[text]
-    assert model.seen == {t: 1 for t in texts} and model.paid == {"You kill the newt!": 1.0, "It's a wall.": 0.0, "": 0.0}
+    assert model.seen == {t: 1 for t in texts} and model.paid == {
+        "You kill the newt!": 1.0, "It's a wall.": 0.0, "": 0.0}
     state = model.state_dict()
     assert isinstance(state["seen"][1], np.ndarray)  # arrays: a tenth of the objects to pickle
 
 
 def test_a_labelled_caption_answered_unparseable_later_is_not_asked_again():
     model = rm.IntrinsicReward(make_args(reward_type="retrieval"), "cpu")
-    model.add_labels([{"caption": "You kill the newt!", "label": 1}, {"caption": "You kill the newt!", "label": None},
+    model.add_labels([{"caption": "You kill the newt!", "label": 1},
+                      {"caption": "You kill the newt!", "label": None},
                       {"caption": "It's a wall.", "label": None}])
     assert model.piece.labels == {"You kill the newt!": 1.0}
     assert list(model.requests.asked) == ["It's a wall."]
@@ -199,11 +210,13 @@ def test_resume_reloads_labels_without_asking_again(tmp_path, monkeypatch):
     assert (model.seen, model.paid, model.firsts) == (saved.seen, saved.paid, saved.firsts)  # messages.tsv's
     assert model.piece.labels == {"You kill the newt!": 1.0}
     assert model.piece.pairs == [("It's a wall.", "You kill the newt!", 0.0)]
-    assert model.known_keys() == {"You kill the newt!", annotator.item_key(("It's a wall.", "You kill the newt!")),
-                                  annotator.item_key(("You kill the newt!", "It's a wall."))}  # either order is known
+    assert model.known_keys() == {"You kill the newt!",  # either order is known
+                                  annotator.item_key(("It's a wall.", "You kill the newt!")),
+                                  annotator.item_key(("You kill the newt!", "It's a wall."))}
     model.rewards(torch.zeros(2, 1), rm.to_rows(["You kill the newt!", "It's a wall."]).view(2, 1, 256),
                   torch.ones(2, 1, dtype=torch.int32), torch.zeros(2, 1, dtype=torch.bool))
-    # the labelled caption is not asked again; the other goes with its pay weight over the run, resumes included
+    # the labelled caption is not asked again; the other goes with its pay weight over the run, resumes
+    # included
     assert model.requests.label_requests() == ({"It's a wall.": 2.0}, {})
     # a trained model: the labels given back before its checkpoint are not new, and owe no training
     monkeypatch.setattr(rm, "BURST", 2)
@@ -240,9 +253,11 @@ def real_nle_messages(n=6):
 
 def test_real_nle_messages_are_labelled_by_the_embedded_server_and_reach_the_learner(tmp_path):
     messages = real_nle_messages() + ["You kill the newt!"]
-    model = rm.IntrinsicReward(make_args(reward_type="retrieval", intrinsic_coef=1.0, extrinsic_coef=0.0), "cpu")
+    model = rm.IntrinsicReward(
+        make_args(reward_type="retrieval", intrinsic_coef=1.0, extrinsic_coef=0.0), "cpu")
     client = annotator.LabelClient(model.args)
-    client.start(str(tmp_path), known=model.known_keys())  # no --llm-url: starts the embedded llama.cpp server
+    # no --llm-url: starts the embedded llama.cpp server
+    client.start(str(tmp_path), known=model.known_keys())
     try:
         rows = rm.to_rows(messages).view(len(messages), 1, 256)
         counts = torch.ones(len(messages), 1, dtype=torch.int32)
@@ -265,9 +280,9 @@ def test_real_nle_messages_are_labelled_by_the_embedded_server_and_reach_the_lea
 
 def test_ranking_pairs_are_answered_by_the_embedded_server_with_a_real_preference(tmp_path):
     """Ranking's pairs through the real embedded llama.cpp server (the fake server is for faults): drawn from
-    the pool, asked, answered from the model's scores (restricted greedy tokens), trained on once a draw. Each pairs a helpful
-    message with an unhelpful one; the model prefers the helpful one, and the reward model trained on the
-    answers ranks it higher."""
+    the pool, asked, answered from the model's scores (restricted greedy tokens), trained on once a draw. Each
+    pairs a helpful message with an unhelpful one; the model prefers the helpful one, and the reward model
+    trained on the answers ranks it higher."""
     kill, wall, gold = "You kill the newt!", "It's a wall.", "You see here 5 gold pieces."  # 3 scores of ~5 s
     model = rm.IntrinsicReward(make_args(reward_type="ranking"), "cpu")
     requests = model.requests  # what the LLM is asked
@@ -303,7 +318,8 @@ def test_llm_server_commands_and_errors(tmp_path, monkeypatch):
     cmd = llm_server.build_command("llama_cpp", None, "127.0.0.1", 8123, threads=2)
     assert cmd[1:3] == ["-m", "llama_cpp.server"] and cmd[cmd.index("--port") + 1] == "8123"
     assert cmd[cmd.index("--model") + 1].endswith(".gguf")
-    # Its server's default computes every prompt token's logits over Gemma's 262k words: a label cost 2.5x (issue 44).
+    # Its server's default computes every prompt token's logits over Gemma's 262k words: a label cost 2.5x
+    # (issue 44).
     assert cmd[cmd.index("--logits_all") + 1] == "false"
     with pytest.raises(SystemExit, match="model file /nope.gguf does not exist"):
         llm_server.build_command("llama_cpp", "/nope.gguf", "127.0.0.1", 1)
@@ -395,15 +411,18 @@ def steps_of(messages):
 
 # a learner batch: (message, steps showing it); kills and gold are rare, as in real play
 STEPS = ([("", 300), ("It's a wall.", 400), ("You hear a door open.", 150)]
-         + [(f"The {m} bites!", 8) for m in MONSTERS[:12]] + [(f"You miss the {m}.", 3) for m in MONSTERS[:12]]
-         + [(f"You see here {n} gold pieces.", 1) for n in range(2, 12)] + [(f"You kill the {m}!", 1) for m in MONSTERS[:6]])
+         + [(f"The {m} bites!", 8) for m in MONSTERS[:12]]
+         + [(f"You miss the {m}.", 3) for m in MONSTERS[:12]]
+         + [(f"You see here {n} gold pieces.", 1) for n in range(2, 12)]
+         + [(f"You kill the {m}!", 1) for m in MONSTERS[:6]])
 PREFERRED = [i for i, (t, _) in enumerate(STEPS) if "kill" in t or "gold" in t]
 
 
 def test_ranking_rewards_are_bounded_z_scores_from_the_first_rewarded_update(tmp_path):
     """The early edge: a server that prefers kills and gold, 60 learner updates from an untrained model on the
-    reference's schedule (8 labelled pairs an update, pairs already answered reused: rewarded from update 26)."""
-    from benchmarks.fake_openai import FakeOpenAI
+    reference's schedule (8 labelled pairs an update, pairs already answered reused: rewarded from update
+    26)."""
+    from fake_openai import FakeOpenAI
     from test_annotator import Annotator
     torch.manual_seed(0)
     server = FakeOpenAI().start()
@@ -417,7 +436,8 @@ def test_ranking_rewards_are_bounded_z_scores_from_the_first_rewarded_update(tmp
         for update in range(60):  # the learner's loop, with the reward model trained inline
             model.rewards(*batch)
             client.request(*model.requests.label_requests())
-            thread.wait_for(lambda: thread.stats.get("backlog", 1) == 0 and thread.stats.get("in_flight", 1) == 0, 5)
+            thread.wait_for(
+                lambda: thread.stats.get("backlog", 1) == 0 and thread.stats.get("in_flight", 1) == 0, 5)
             model.add_labels(client.new_records())
             model.piece.train_now()
             R = model.piece.score(rm.to_rows(texts), texts)
@@ -435,7 +455,8 @@ def test_ranking_rewards_are_bounded_z_scores_from_the_first_rewarded_update(tmp
     others = ~preferred
     others[0] = False  # the empty message
     per_step = lambda where: ((R * steps)[where].sum() / steps[where].sum()).item()
-    assert per_step(preferred) > 1.0 and per_step(preferred) > 10 * per_step(others), (per_step(preferred), per_step(others))
+    assert per_step(preferred) > 1.0 and per_step(preferred) > 10 * per_step(others), (
+        per_step(preferred), per_step(others))
 
 
 @pytest.mark.parametrize("seed", [1, 2])
@@ -445,14 +466,16 @@ def test_a_classifier_pays_only_once_it_tells_its_labels_apart(seed):
     torch.manual_seed(seed)
     model = rm.IntrinsicReward(make_args(reward_type="classification", seed=seed), "cpu")
     helpful = ["You kill the newt!", "You see here 5 gold pieces."]
-    unhelpful = ["It's a wall.", "You die..."] + [f"The {m} bites!" for m in MONSTERS] + [f"You miss the {m}." for m in MONSTERS]
+    unhelpful = ["It's a wall.", "You die..."] + [f"The {m} bites!" for m in MONSTERS] + [
+        f"You miss the {m}." for m in MONSTERS]
 
     def paid_sensibly(seen):
         R = model.piece.score(rm.to_rows(helpful + seen), helpful + seen)
         return not R.any() or (R[:2].sum() >= 1 and R[2:].mean() <= 0.1)
 
     model.add_labels([{"caption": c, "label": 1} for c in helpful])
-    assert model.piece.train_now() == 0 and model.piece.model_steps == 0  # one class: nothing to learn a boundary from
+    # one class: nothing to learn a boundary from
+    assert model.piece.train_now() == 0 and model.piece.model_steps == 0
     for u, caption in enumerate(unhelpful):
         model.add_labels([{"caption": caption, "label": 0}])
         model.piece.train_now()
@@ -475,8 +498,10 @@ def test_a_fitted_classifier_keeps_paying_when_helpful_labels_are_rare():
     the labels, not on the last minibatch (which switched the reward off in ~1 of 8 bursts)."""
     torch.manual_seed(0)
     model = rm.IntrinsicReward(make_args(reward_type="classification"), "cpu")
-    helpful, unhelpful = ["You kill the newt!", "You see here 5 gold pieces."], [f"The thing {i} bites!" for i in range(300)]
-    model.add_labels([{"caption": c, "label": 1} for c in helpful] + [{"caption": c, "label": 0} for c in unhelpful])
+    helpful, unhelpful = ["You kill the newt!", "You see here 5 gold pieces."], [
+        f"The thing {i} bites!" for i in range(300)]
+    model.add_labels([{"caption": c, "label": 1} for c in helpful]
+                     + [{"caption": c, "label": 0} for c in unhelpful])
     model.rewards(*sightings_of([(c, 30, 30) for c in helpful] + [(c, 1, 1) for c in unhelpful]))
     model.piece.optimizer.param_groups[0]["lr"] = 1e-3
     for _ in range(30):
@@ -544,7 +569,8 @@ def labelled_seen(**overrides):
     return model
 
 
-def publish(piece, judge, fresh=True):  # the gate's verdict on a model; fresh: no hysteresis from the last one
+# the gate's verdict on a model; fresh: no hysteresis from the last one
+def publish(piece, judge, fresh=True):
     piece.model, piece.published = judge, None if fresh else piece.published
     piece.publish()
     return piece.published["fitted"]
@@ -628,12 +654,13 @@ def test_the_classifier_gate_judges_where_its_pay_would_go():
 
 
 def test_the_classifier_gate_does_not_flicker_near_its_bar():
-    """Before: judged on a fresh random 1,024 labels a class at every publication, a model that recalled 90.5% was
-    on at 146 of 200 publications and switched 79 times."""
+    """Before: judged on a fresh random 1,024 labels a class at every publication, a model that recalled 90.5%
+    was on at 146 of 200 publications and switched 79 times."""
     model = rm.IntrinsicReward(make_args(reward_type="classification"), "cpu")
     helpful = [f"You kill the thing {i}!" for i in range(100)]
     unhelpful = [f"The thing {i} bites!" for i in range(3000)]
-    model.add_labels([{"caption": c, "label": 1} for c in helpful] + [{"caption": c, "label": 0} for c in unhelpful])
+    model.add_labels([{"caption": c, "label": 1} for c in helpful]
+                     + [{"caption": c, "label": 0} for c in unhelpful])
     near = Judge(helpful + unhelpful[:11])  # 100 of 111 messages it would pay helpful (90.1%): at the bar
     assert len({publish(model.piece, near) for _ in range(20)}) == 1  # a fixed model, a fixed verdict
     rng, fitted = random.Random(0), []
@@ -655,7 +682,8 @@ def test_the_classifier_trains_half_on_the_labels_and_half_as_the_pay_shows_them
     model.rewards(*sightings_of([(t, 1, 1) for t in many]))
     model.piece.train_now(1, batch_size=8)  # published: its gate sample and their pay weights
     drawn = []
-    monkeypatch.setattr(rm, "outputs", lambda m, texts, device: (drawn.extend(texts), torch.zeros(len(texts), 2))[1])
+    monkeypatch.setattr(rm, "outputs",
+                        lambda m, texts, device: (drawn.extend(texts), torch.zeros(len(texts), 2))[1])
     for _ in range(256):  # 65,536 draws: 0.003 is 4.5 standard deviations of a share of 0.03
         model.piece.minibatch_loss(256)
     share = lambda texts: sum(t in texts for t in drawn) / len(drawn)
@@ -667,14 +695,16 @@ def test_the_classifier_trains_half_on_the_labels_and_half_as_the_pay_shows_them
     assert share({WALL}) == pytest.approx(0.5 * 100 / gate_weight + 0.5 / labels, abs=0.003)  # old: 0.21
     assert share(set(HELPFUL)) == pytest.approx(0.5 * 80 / gate_weight + 0.5 * 7 / labels, abs=0.003)
     assert share(set(many)) == pytest.approx(0.5 * in_gate / gate_weight + 0.5 * 3000 / labels, abs=0.01)
-    resumed = rm.IntrinsicReward(make_args(reward_type="classification"), "cpu")  # a resume draws the same, but
-    resumed.add_labels([{"caption": t, "label": label} for t, *_, label in LABELLED if t != KILL] +  # not a
-                       [{"caption": t, "label": 0} for t in many])  # label that a crash took from labels.jsonl's end
+    # a resume draws the same, but not a label that a crash took from labels.jsonl's end
+    resumed = rm.IntrinsicReward(make_args(reward_type="classification"), "cpu")
+    resumed.add_labels([{"caption": t, "label": label} for t, *_, label in LABELLED if t != KILL] +
+                       [{"caption": t, "label": 0} for t in many])
     resumed.load_state_dict(model.state_dict())
     texts, weights = model.piece.published["frequent"]
     kept = [(t, w) for t, w in zip(texts, weights) if t != KILL]
     assert resumed.piece.published["frequent"] == tuple(zip(*kept))
-    resumed.piece.minibatch_loss(256)  # was a KeyError in the trainer thread: the run stopped, and again on resume
+    # was a KeyError in the trainer thread: the run stopped, and again on resume
+    resumed.piece.minibatch_loss(256)
 
 
 def test_the_classifier_gate_and_its_pay_weights_survive_a_resume():
@@ -730,11 +760,13 @@ def test_the_classifier_does_not_pay_an_unhelpful_label_seen_once_in_most_episod
 
 
 def test_ranking_trains_on_every_drawn_pair_as_often_as_the_steps_show_it():
-    """Before: self-pairs were dropped (21% of drawn pairs in free_ranking), the annotator dropped a pair already
-    asked (63%), and the message on 40% of the steps was in 61% of drawn pairs but 30% of the pairs trained on."""
+    """Before: self-pairs were dropped (21% of drawn pairs in free_ranking), the annotator dropped a pair
+    already asked (63%), and the message on 40% of the steps was in 61% of drawn pairs but 30% of the pairs
+    trained on."""
     model = rm.IntrinsicReward(make_args(reward_type="ranking"), "cpu")
     requests = model.requests  # what the LLM is asked
-    shares = {WALL: 0.4, "Never mind.": 0.2, "It's solid stone.": 0.1, **{f"You kill the {m}!": 0.03 for m in MONSTERS[:10]}}
+    shares = {WALL: 0.4, "Never mind.": 0.2, "It's solid stone.": 0.1,
+              **{f"You kill the {m}!": 0.03 for m in MONSTERS[:10]}}
     requests.pair_pool = [t for t, q in shares.items() for _ in range(round(q * 1000))]
     value = {t: i for i, t in enumerate(shares)}  # the fake LLM prefers the later message
     done, asked, updates = set(), [], 300
@@ -745,15 +777,19 @@ def test_ranking_trains_on_every_drawn_pair_as_often_as_the_steps_show_it():
             if annotator.item_key(pair) not in done:
                 done.add(annotator.item_key(pair))
                 asked.append(pair)
-                answers.append({"pair": list(pair), "preference": 1 if value[pair[0]] > value[pair[1]] else 2})
+                answers.append({"pair": list(pair), "preference": 1 if value[pair[0]] > value[pair[1]]
+                                else 2})
         model.add_labels(answers)
     trained = model.piece.pairs
     assert len(trained) == updates * rm.PAIRS_PER_BATCH and all(a != b for a, b, _ in trained)
-    assert all(p == float(value[a] > value[b]) for a, b, p in trained)  # reused in either order, with its answer
+    # reused in either order, with its answer
+    assert all(p == float(value[a] > value[b]) for a, b, p in trained)
     assert len({frozenset(pair) for pair in asked}) == len(asked)  # none asked twice, in either order
-    for message, q in shares.items():  # drawn by steps, the second again while it is the first: the wall is in
-        expected = q + sum(q_x * q / (1 - q_x) for x, q_x in shares.items() if x != message)  # 67% of the pairs
-        assert sum(message in (a, b) for a, b, _ in trained) / len(trained) == pytest.approx(expected, abs=0.03)
+    # drawn by steps, the second again while it is the first: the wall is in 67% of the pairs
+    for message, q in shares.items():
+        expected = q + sum(q_x * q / (1 - q_x) for x, q_x in shares.items() if x != message)
+        assert sum(message in (a, b) for a, b, _ in trained) / len(trained) == pytest.approx(
+            expected, abs=0.03)
 
 
 def test_a_pair_drawn_again_before_its_answer_is_asked_once_and_trained_on_every_draw():
@@ -776,8 +812,9 @@ def test_a_pair_drawn_again_before_its_answer_is_asked_once_and_trained_on_every
 
 
 def test_pairs_waiting_for_an_answer_are_bounded_oldest_dropped(monkeypatch):
-    """Guards: with an LLM far behind, ranking remembered every pair asked and unanswered (unbounded at paper scale);
-    now 10 annotator backlogs' worth, the oldest dropped. A dropped pair answered later is trained on once."""
+    """Guards: with an LLM far behind, ranking remembered every pair asked and unanswered (unbounded at paper
+    scale); now 10 annotator backlogs' worth, the oldest dropped. A dropped pair answered later is trained on
+    once."""
     monkeypatch.setattr(annotator, "MAX_BACKLOG", 5)
     model = rm.IntrinsicReward(make_args(reward_type="ranking"), "cpu")
     requests = model.requests  # what the LLM is asked
@@ -800,7 +837,7 @@ def test_pairs_waiting_for_an_answer_are_bounded_oldest_dropped(monkeypatch):
 
 
 def test_every_caption_seen_is_labelled_after_the_backlog_overflowed(tmp_path, monkeypatch):
-    from benchmarks.fake_openai import FakeOpenAI
+    from fake_openai import FakeOpenAI
     from test_annotator import Annotator
     monkeypatch.setattr(annotator, "MAX_BACKLOG", 3)
     monkeypatch.setattr(rm, "RETRY_S", 1.0)
@@ -849,22 +886,26 @@ def assert_same(a, b):
 
 @pytest.mark.parametrize("reward_type", ["classification", "ranking"])
 def test_scoring_changes_nothing(reward_type):
-    """score() is pure: the weights, statistics, counters, random streams and train modes stay as they were."""
+    """score() is pure: the weights, statistics, counters, random streams and train modes stay as they
+    were."""
     torch.manual_seed(0)
     model = rm.IntrinsicReward(make_args(reward_type=reward_type), "cpu")
     model.add_labels([{"caption": f"You kill the {m}!", "label": 1} for m in MONSTERS]
                      + [{"caption": f"The {m} bites!", "label": 0} for m in MONSTERS]
-                     + [{"pair": [f"You kill the {m}!", f"The {m} bites!"], "preference": 1} for m in MONSTERS])
+                     + [{"pair": [f"You kill the {m}!", f"The {m} bites!"], "preference": 1}
+                        for m in MONSTERS])
     model.piece.optimizer.param_groups[0]["lr"] = 1e-3  # fitted in a few steps
     model.rewards(*steps_of(STEPS))
     model.piece.train_now(30, batch_size=16)  # published, with statistics over the batch seen
     piece, texts = model.piece, [t for t, _ in STEPS]
-    assert piece.published.get("fitted", True) and piece.published.get("norm", {"mean": 0})["mean"] is not None
+    assert (piece.published.get("fitted", True)
+            and piece.published.get("norm", {"mean": 0})["mean"] is not None)
 
     def snapshot():
-        return copy.deepcopy((model.state_dict(), model.train_stats(), piece.rng.getstate(), torch.get_rng_state(),
-                              piece.new_labels, piece.batches, piece.owed_steps, vars(piece).get("reference"),
-                              piece.model.training, piece.published["model"].training))
+        return copy.deepcopy((model.state_dict(), model.train_stats(), piece.rng.getstate(),
+                              torch.get_rng_state(), piece.new_labels, piece.batches, piece.owed_steps,
+                              vars(piece).get("reference"), piece.model.training,
+                              piece.published["model"].training))
 
     before = snapshot()
     first = piece.score(rm.to_rows(texts), texts)
@@ -947,9 +988,9 @@ def test_a_crash_of_the_trainer_thread_stops_the_learner(monkeypatch):
 
 
 def test_a_resume_continues_the_reward_model_exactly(monkeypatch):
-    """A resume forgave the trainer's owed steps (288 owed became 0), the labels it had not trained on yet and those
-    answered after the checkpoint, restarted its sampling stream from the seed, and ranking's recent window
-    empty."""
+    """A resume forgave the trainer's owed steps (288 owed became 0), the labels it had not trained on yet and
+    those answered after the checkpoint, restarted its sampling stream from the seed, and ranking's recent
+    window empty."""
     records = [{"caption": f"You kill the {m}!", "label": 1} for m in MONSTERS[:4]] + [
         {"caption": f"The {m} bites!", "label": 0} for m in MONSTERS]
     model = rm.IntrinsicReward(make_args(reward_type="classification"), "cpu")
@@ -986,23 +1027,28 @@ def test_a_resume_continues_the_reward_model_exactly(monkeypatch):
 
 
 def test_an_unlabelled_caption_is_sent_with_the_pay_weight_it_has_accrued_and_a_label_ends_it():
-    """Guards the backlog's order (issue 44): captions went out once, at first sight, with no worth, so the annotator
-    could only ask them in the order first seen, and a message paid often but first seen late waited for rare ones."""
+    """Guards the backlog's order (issue 44): captions went out once, at first sight, with no worth, so the
+    annotator could only ask them in the order first seen, and a message paid often but first seen late waited
+    for rare ones."""
     model = rm.IntrinsicReward(make_args(reward_type="retrieval"), "cpu")
     requests = model.requests  # what the LLM is asked
     prompt = "Are you sure you want to pray? [yn] (n)"
     model.rewards(*steps_of([(prompt, 1), ("You kill the newt!", 5), (WALL, 3)]))
-    first = {WALL: 3.0, prompt: 1.0, "You kill the newt!": 5.0}  # each step its episode's first sight: 1/1^beta
+    # each step its episode's first sight: 1/1^beta
+    first = {WALL: 3.0, prompt: 1.0, "You kill the newt!": 5.0}
     assert requests.label_requests()[0] == pytest.approx(first)  # each with its pay weight
     model.add_labels([{"caption": "You kill the newt!", "label": 1}])
     model.rewards(*steps_of([(prompt, 1), ("You kill the newt!", 1)]))
-    assert requests.label_requests()[0] == pytest.approx({prompt: 2.0})  # seen again: its worth grew; labelled: gone
-    assert requests.unanswered()[0] == pytest.approx({prompt: 2.0, WALL: first[WALL]})  # a restart: most worth first
+    # seen again: its worth grew; labelled: gone
+    assert requests.label_requests()[0] == pytest.approx({prompt: 2.0})
+    # a restart: most worth first
+    assert requests.unanswered()[0] == pytest.approx({prompt: 2.0, WALL: first[WALL]})
 
 
 def test_a_pair_is_worth_the_pay_weight_of_its_messages_not_judged_yet():
-    """Guards the pairs' order (issue 44): a pair's worth summed both messages, so a pair with a wall hit every
-    episode, already scored and reused free, was asked before a pair of two messages the LLM had never judged."""
+    """Guards the pairs' order (issue 44): a pair's worth summed both messages, so a pair with a wall hit
+    every episode, already scored and reused free, was asked before a pair of two messages the LLM had never
+    judged."""
     model = rm.IntrinsicReward(make_args(reward_type="ranking"), "cpu")
     requests = model.requests
     model.rewards(*steps_of([(WALL, 9), ("You kill the newt!", 2), ("You see here a ring.", 3)]))
@@ -1014,8 +1060,9 @@ def test_a_pair_is_worth_the_pay_weight_of_its_messages_not_judged_yet():
 
 
 def test_a_sweep_of_unanswered_captions_is_bounded_and_oldest_first():
-    """With 1e6 captions unanswered, one re-ask sweep scanned, shuffled and sent them all every 60 s (1.6 s of the
-    learner thread, 57 MB through the request queue); now at most a backlog's worth, the longest waiting first."""
+    """With 1e6 captions unanswered, one re-ask sweep scanned, shuffled and sent them all every 60 s (1.6 s of
+    the learner thread, 57 MB through the request queue); now at most a backlog's worth, the longest waiting
+    first."""
     model = rm.IntrinsicReward(make_args(reward_type="retrieval"), "cpu")
     requests = model.requests  # what the LLM is asked
     n, now = annotator.MAX_BACKLOG + 500, time.time()
@@ -1031,18 +1078,18 @@ def test_a_sweep_of_unanswered_captions_is_bounded_and_oldest_first():
 
 
 def test_an_annotator_restart_asks_again_what_it_had_not_answered(tmp_path):
-    """A restart lost the annotator's backlog and requests in flight: 8 of 8 queued captions and 4 of 4 pairs went
-    unanswered; captions came back after the 60 s re-ask, pairs never."""
+    """A restart lost the annotator's backlog and requests in flight: 8 of 8 queued captions and 4 of 4 pairs
+    went unanswered; captions came back after the 60 s re-ask, pairs never."""
     from types import SimpleNamespace
 
-    from benchmarks.fake_openai import FakeOpenAI
+    from fake_openai import FakeOpenAI
     fake = FakeOpenAI().start()
     fake.delay = 0.2  # one request at a time: the rest wait in the backlog when the annotator dies
     try:
         for reward_type, pending in (("retrieval", "asked"), ("ranking", "waiting")):
             model = rm.IntrinsicReward(make_args(reward_type=reward_type), "cpu")
-            client = annotator.LabelClient(SimpleNamespace(prompt_file=None, llm_url=[fake.url], llm_model=None,
-                                                           llm_concurrency=1))
+            client = annotator.LabelClient(SimpleNamespace(prompt_file=None, llm_url=[fake.url],
+                                                           llm_model=None, llm_concurrency=1))
             client.start(str(tmp_path), set())
             try:
                 model.rewards(*steps_of(STEPS + [(f"You kill the {m}!", 30) for m in MONSTERS[:8]]))
@@ -1067,8 +1114,8 @@ def test_an_annotator_restart_asks_again_what_it_had_not_answered(tmp_path):
 
 
 def test_the_classifier_trains_only_while_its_labels_hold_both_classes():
-    """Its classes are kept as labels arrive (no scan of every label under the lock); a caption labelled again with
-    the other class must not leave a class behind that no label holds any more."""
+    """Its classes are kept as labels arrive (no scan of every label under the lock); a caption labelled again
+    with the other class must not leave a class behind that no label holds any more."""
     model = rm.IntrinsicReward(make_args(reward_type="classification"), "cpu")
     model.add_labels([{"caption": "It's a wall.", "label": 0}, {"caption": "You kill the newt!", "label": 0}])
     assert not model.piece.ready()

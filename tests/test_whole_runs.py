@@ -1,4 +1,6 @@
-"""The learner: V-trace against the paper's formula, GRU resets, learning, and whole runs on NLE."""
+"""Whole runs of the learner on NLE: start, stop, resume, signals, the run-dir lock, bad flags, dead
+processes, the checkpoints a real run writes, and a real run's updates checked exactly (log-probs, rewards,
+seeds)."""
 import collections
 import contextlib
 import copy
@@ -10,9 +12,7 @@ import socket
 import subprocess
 import sys
 import time
-from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
 
@@ -23,210 +23,6 @@ from oni_appo import End
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL_RUN = ["--num-workers", "2", "--num-envs-per-worker", "4", "--batch-size", "256",
              "--reward-type", "none"]
-
-
-def vtrace_by_definition(rewards, values, bootstrap, discounts, rhos, cs):
-    """Espeholt et al. (2018), eq. 1, summed term by term (no recursion):
-    v_s = V(x_s) + sum_{t>=s} (prod_{i=s}^{t-1} gamma_i c_i) rho_t (r_t + gamma_t V(x_{t+1}) - V(x_t))."""
-    T, B = rewards.shape
-    V = np.concatenate([values, bootstrap[None]], axis=0)
-    vs = np.zeros((T, B))
-    for b in range(B):
-        for s in range(T):
-            total, weight = V[s, b], 1.0
-            for t in range(s, T):
-                total += weight * rhos[t, b] * (rewards[t, b] + discounts[t, b] * V[t + 1, b] - V[t, b])
-                weight *= discounts[t, b] * cs[t, b]
-            vs[s, b] = total
-    vs_next = np.concatenate([vs[1:], bootstrap[None]], axis=0)
-    advantages = rhos * (rewards + discounts * vs_next - values)
-    return vs, advantages
-
-
-def test_vtrace_matches_the_definition_with_episode_ends_inside():
-    rng = np.random.default_rng(0)
-    T, B = 12, 5
-    rewards, values, bootstrap = rng.normal(size=(T, B)), rng.normal(size=(T, B)), rng.normal(size=B)
-    ratio = np.exp(rng.normal(scale=0.5, size=(T, B)))
-    discounts = 0.99 * (rng.random((T, B)) > 0.2)  # episode ends inside the rollout
-    rhos, cs = np.minimum(ratio, 1.0), np.minimum(ratio, 0.9)
-    expected = vtrace_by_definition(rewards, values, bootstrap, discounts, rhos, cs)
-    got = oni_appo.vtrace(*(torch.tensor(x) for x in (rewards, values, bootstrap, discounts, rhos, cs)))
-    for e, g in zip(expected, got):
-        np.testing.assert_allclose(g.numpy(), e, rtol=1e-10, atol=1e-10)
-
-
-def test_vtrace_targets_cut_at_deaths_and_bootstrap_at_truncations():
-    # one env: running, terminated, running, truncated, reset, running; on-policy (ratio 1)
-    end = torch.tensor([[0], [1], [0], [2], [3], [0]], dtype=torch.int8)
-    rewards = torch.tensor([[1.0], [2.0], [3.0], [4.0], [5.0], [6.0]])
-    values = torch.tensor([[0.5], [0.6], [0.7], [0.8], [10.0], [0.9], [1.1]])  # [T+1, B]
-    g = 0.9
-    vs, _ = oni_appo.vtrace_targets(end, rewards, values, torch.ones(6, 1), g)
-    vs = vs[:, 0].tolist()
-    assert vs[1] == pytest.approx(2.0)  # death: no bootstrap
-    assert vs[0] == pytest.approx(1.0 + g * 2.0)
-    assert vs[3] == pytest.approx(4.0 + g * 10.0)  # truncation: bootstraps on the real last obs
-    assert vs[2] == pytest.approx(3.0 + g * vs[3])
-    assert vs[4] == pytest.approx(10.0)  # the reset step is no transition
-    assert vs[5] == pytest.approx(6.0 + g * 1.1)
-    # on-policy with these discounts V-trace is the discounted return, as the definition says
-    ref, _ = vtrace_by_definition(rewards.numpy().astype(float), values[:-1].numpy().astype(float),
-                                  values[-1].numpy().astype(float),
-                                  np.array([[g], [0], [g], [g], [0], [g]]),
-                                  np.array([[1.0], [1], [1], [1], [0], [1]]), np.array([[1.0], [1], [1], [1], [0], [1]]))
-    np.testing.assert_allclose(vs, ref[:, 0], rtol=1e-6)
-
-
-def random_obs(shape, rng):
-    return {"chars": torch.tensor(rng.integers(32, 128, size=shape + (21, 79)), dtype=torch.uint8),
-            "colors": torch.tensor(rng.integers(0, 16, size=shape + (21, 79)), dtype=torch.uint8),
-            "blstats": torch.tensor(rng.integers(0, 20, size=shape + (27,)), dtype=torch.float32),
-            "message": torch.tensor(rng.integers(0, 128, size=shape + (256,)), dtype=torch.uint8)}
-
-
-def test_unroll_matches_stepwise_inference_and_resets_at_episode_ends():
-    torch.manual_seed(0)
-    rng = np.random.default_rng(0)
-    agent = oni_appo.Agent().eval()
-    T, B = 6, 3
-    obs = random_obs((T, B), rng)
-    cuts = torch.zeros(T, B, dtype=torch.bool)
-    cuts[2, 0] = cuts[4, 2] = True
-    h0 = torch.randn(B, 512)
-    with torch.no_grad():
-        logits, values = agent.unroll(obs, h0, cuts)
-        h = h0
-        for t in range(T):  # what the inference loop does, one step at a time
-            if t > 0:
-                h = h * (~cuts[t - 1]).float()[:, None]
-            step_logits, step_values, h = agent.step({k: v[t] for k, v in obs.items()}, h)
-            torch.testing.assert_close(step_logits, logits[t], rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(step_values, values[t], rtol=1e-5, atol=1e-5)
-        # after a reset the past no longer matters: change everything before it
-        changed = {k: v.clone() for k, v in obs.items()}
-        changed["chars"][:3, 0] = 65
-        logits2, _ = agent.unroll(changed, torch.randn(B, 512), cuts)
-    torch.testing.assert_close(logits2[3:, 0], logits[3:, 0])
-    assert not torch.allclose(logits2[:3, 0], logits[:3, 0])
-
-
-class Unrolled(torch.nn.Module):
-    """A stand-in policy for appo_loss: unroll() returns the logits and values the test set (parameters)."""
-
-    def __init__(self, logits, values):
-        super().__init__()
-        self.logits, self.values = torch.nn.Parameter(logits), torch.nn.Parameter(values)
-
-    def unroll(self, obs, h0, cuts):
-        self.cuts = cuts
-        return self.logits, self.values
-
-
-def loss_by_definition(logits, values, batch, rewards, args):
-    """appo_loss written out from its parts' definitions, in numpy: the ratio clipped to [0.05, 20]; V-trace
-    by the paper's sum with rho = c = min(ratio, 1), zero at reset steps, discount gamma after running and
-    truncated steps; advantages standardized over the valid steps; PPO's min(r A, clip(r, 1/(1+c), 1+c) A);
-    reset steps masked."""
-    end, action, old = batch["end"].numpy(), batch["action"].numpy(), batch["logprob"].numpy().astype(float)
-    logits, values, rewards = logits.double().numpy(), values.double().numpy(), rewards.double().numpy()
-    log_probs = logits[:-1] - np.log(np.exp(logits[:-1]).sum(-1, keepdims=True))
-    new = np.take_along_axis(log_probs, action[..., None], -1)[..., 0]
-    ratio = np.clip(np.exp(new - old), 0.05, 20.0)
-    valid = end != End.RESET
-    discounts = args.gamma * ((end == End.RUNNING) | (end == End.TRUNCATED))
-    rho = np.minimum(ratio, 1.0) * valid
-    vs, advantages = vtrace_by_definition(rewards, values[:-1], values[-1], discounts, rho, rho)
-    mean = advantages[valid].mean()
-    advantages = (advantages - mean) / max(np.sqrt(((advantages[valid] - mean) ** 2).mean()), 1e-3)
-    low, high = 1 / (1 + args.clip_coef), 1 + args.clip_coef
-    surrogate = np.minimum(ratio * advantages, np.clip(ratio, low, high) * advantages)
-    entropy = -(np.exp(log_probs) * log_probs).sum(-1)
-    clipped = (ratio < low) | (ratio > high)
-    parts = {"policy_loss": -surrogate[valid].mean(), "value_loss": ((values[:-1] - vs) ** 2)[valid].mean(),
-             "entropy": entropy[valid].mean(), "clip_fraction": clipped[valid].mean()}
-    loss = parts["policy_loss"] + args.vf_coef * parts["value_loss"] - args.ent_coef * parts["entropy"]
-    return loss, parts, ratio, advantages, valid
-
-
-def test_appo_loss_clips_both_ways_masks_reset_steps_and_uses_off_policy_v_trace_targets():
-    """Each term of appo_loss against its definition, off-policy (ratios from 0.03 to 30) with every kind of
-    end; then the policy gradient alone: zero at reset steps and where the clip holds the ratio (above 1 + c
-    with a positive advantage, below 1 / (1 + c) with a negative one, 0.905 among them: 1 - c would not clip
-    it)."""
-    T, B, A = 8, 16, 5
-    gen = torch.Generator().manual_seed(0)
-    end = torch.randint(0, 4, (T, B), generator=gen).to(torch.int8)
-    end[:, 0] = torch.tensor([End.RUNNING, End.TRUNCATED, End.RESET, End.RUNNING, End.TERMINATED, End.RUNNING,
-                              End.RUNNING, End.RUNNING], dtype=torch.int8)
-    end[1:][end[:-1] == End.TRUNCATED] = End.RESET  # the step after a truncation only resets
-    end[1:][(end[:-1] != End.TRUNCATED) & (end[1:] == End.RESET)] = End.RUNNING
-    logits, values = torch.randn(T + 1, B, A, generator=gen), torch.randn(T + 1, B, generator=gen)
-    action = torch.randint(0, A, (T, B), generator=gen)
-    new_logp = torch.log_softmax(logits[:-1], -1).gather(-1, action[..., None])[..., 0]
-    ratio = torch.exp(torch.empty(T, B).uniform_(np.log(0.03), np.log(30.0), generator=gen))
-    ratio[:, 1::4] = 0.905  # between 1 - c and 1 / (1 + c)
-    batch = {"obs": None, "h0": None, "end": end, "action": action, "logprob": new_logp - torch.log(ratio)}
-    rewards = torch.randn(T, B, generator=gen)
-    args = SimpleNamespace(gamma=0.9, clip_coef=0.1, vf_coef=0.5, ent_coef=0.01)
-
-    agent = Unrolled(logits, values)
-    loss, stats = oni_appo.appo_loss(agent, batch, rewards, args)
-    expected, parts, ratio, advantages, valid = loss_by_definition(logits, values, batch, rewards, args)
-    assert torch.equal(agent.cuts, (end == End.TERMINATED) | (end == End.RESET))  # the GRU restarts after
-    assert loss.item() == pytest.approx(expected, rel=1e-5)
-    for name, value in parts.items():
-        assert stats[name] == pytest.approx(value, rel=1e-5, abs=1e-7), name
-
-    policy_only = SimpleNamespace(**{**vars(args), "vf_coef": 0.0, "ent_coef": 0.0})
-    agent = Unrolled(logits, values)
-    oni_appo.appo_loss(agent, batch, rewards, policy_only)[0].backward()
-    moved = agent.logits.grad[:-1].abs().sum(-1).numpy() > 0
-    low, high = 1 / 1.1, 1.1
-    up, down = (advantages > 0) & valid, (advantages < 0) & valid
-    held = (up & (ratio > high)) | (down & (ratio < low)) | (ratio <= 0.05) | (ratio >= 20)
-    assert (valid & ~held).sum() > 20 and (down & np.isclose(ratio, 0.905)).sum() > 3
-    assert (up & (ratio < low)).any() and (down & (ratio > high)).any()  # each side also unclipped
-    np.testing.assert_array_equal(moved, valid & ~held)
-    assert agent.values.grad is None or not agent.values.grad.any()  # the policy term leaves the critic alone
-    agent = Unrolled(logits, values)
-    value_only = SimpleNamespace(**{**vars(policy_only), "vf_coef": 1.0})
-    oni_appo.appo_loss(agent, batch, rewards, value_only)[0].backward()
-    np.testing.assert_array_equal(agent.values.grad[:-1].numpy() != 0, valid)  # the value loss: valid steps
-
-
-def test_learner_raises_the_probability_of_the_rewarded_action():
-    """Fails if the advantage sign, the V-trace targets or the gradient flow is wrong."""
-    torch.manual_seed(0)
-    rng = np.random.default_rng(0)
-    agent = oni_appo.Agent()
-    optimizer = torch.optim.Adam(agent.parameters(), lr=3e-4)
-    args = SimpleNamespace(gamma=0.99, clip_coef=0.1, vf_coef=0.5, ent_coef=0.0)
-    T, B, good = 4, 32, 5
-    obs = random_obs((T + 1, B), rng)
-    h0 = torch.zeros(B, 512)
-    end = torch.full((T, B), End.TERMINATED, dtype=torch.int8)  # one-step episodes
-
-    def policy():
-        with torch.no_grad():
-            logits, values = agent.unroll(obs, h0, end == End.TERMINATED)
-        return torch.softmax(logits[:-1], -1), values[:-1]
-
-    start_prob = policy()[0][..., good].mean().item()
-    for _ in range(30):
-        probs, _ = policy()
-        action = torch.distributions.Categorical(probs=probs).sample()
-        rewards = (action == good).float()
-        batch = {"obs": obs, "action": action, "end": end, "h0": h0,
-                 "logprob": torch.log(probs.gather(-1, action[..., None]).squeeze(-1))}
-        loss, _ = oni_appo.appo_loss(agent, batch, rewards, args)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    probs, values = policy()
-    assert probs[..., good].mean().item() > 3 * start_prob
-    # the critic learns the expected reward of the policy
-    assert abs(values.mean().item() - probs[..., good].mean().item()) < 0.25
 
 
 def run(args, timeout=600, **kw):
@@ -256,8 +52,10 @@ def test_end_to_end_on_nle_then_resume(tmp_path):
     assert checkpoint["counters"]["learned_steps"] == checkpoint["counters"]["updates"] * 256
     assert "steps/s" in first.stdout
 
-    with open(os.path.join(run_dir, "episodes.jsonl"), "a") as f:  # logged after the checkpoint, then a crash:
-        f.write(json.dumps({"return": 0.0, "steps": 1, "score": 12345, "env_steps": summary["env_steps"] + 1}) + "\n")
+    # logged after the checkpoint, then a crash:
+    with open(os.path.join(run_dir, "episodes.jsonl"), "a") as f:
+        f.write(json.dumps({"return": 0.0, "steps": 1, "score": 12345, "env_steps": summary["env_steps"] + 1})
+                + "\n")
         f.write('{"return": 1.0, "ste')  # and a line cut short
     labels = os.path.join(run_dir, "labels.jsonl")
     with open(labels, "w") as f:  # a labels file whose last write a crash cut short
@@ -271,10 +69,13 @@ def test_end_to_end_on_nle_then_resume(tmp_path):
 
     episodes = [json.loads(line) for line in open(os.path.join(run_dir, "episodes.jsonl"))]
     assert len(episodes) == resumed["episodes"] and all(e["score"] != 12345 for e in episodes)  # played again
-    assert open(labels).read() == json.dumps({"caption": "It's a wall.", "label": 0}) + "\n"  # appendable again
+    # labels.jsonl is appendable again
+    assert open(labels).read() == json.dumps({"caption": "It's a wall.", "label": 0}) + "\n"
     assert all(e["intrinsic_return"] == 0.0 for e in episodes if "intrinsic_return" in e)  # reward type none
-    assert sum("intrinsic_return" in e for e in episodes) >= len(episodes) - 16  # all but those the learner missed
-    # when it ended, by the steps collected: at most the 8 buffers in flight (8 x 32 x 2 steps) past those learned
+    # all but those the learner missed
+    assert sum("intrinsic_return" in e for e in episodes) >= len(episodes) - 16
+    # when it ended, by the steps collected: at most the 8 buffers in flight (8 x 32 x 2 steps) past those
+    # learned
     assert all(0 < e["env_steps"] <= resumed["env_steps"] + 512 for e in episodes)
     lines = open(os.path.join(run_dir, "messages.tsv")).read().splitlines()
     assert lines[0] == "message\tsteps\tlabel\treward_now\tpaid\tfirsts" and len(lines) > 2
@@ -288,65 +89,34 @@ def test_end_to_end_on_nle_then_resume(tmp_path):
     assert json.load(open(os.path.join(run_dir, "eval_random.json")))["random_actions"] is True
 
 
-def test_episode_intrinsic_returns_follow_each_env_across_rollouts_and_resets():
-    # two rollouts of the same two envs in one batch (columns 0-1, then 2-3), T = 3 each
-    R, T, TR, RS = End.RUNNING, End.TERMINATED, End.TRUNCATED, End.RESET
-    end = torch.tensor([[R, R, T, RS], [T, TR, R, R], [R, RS, R, T]], dtype=torch.int8)
-    paid = torch.tensor([[1.0, 0.5, 2.0, 0.0], [0.25, 0.0, 0.0, 3.0], [4.0, 0.0, 0.0, 1.0]])
-    totals, finished = np.zeros((2, 3)), [collections.deque() for _ in range(2)]
-    oni_appo.add_intrinsic_episodes(totals, finished, paid, end, np.array([0, 1, 0, 1]))
-    # env 0: 1 + 0.25 (ends), then 4 + 2 (ends at the second rollout's t=0), then 0 (in progress)
-    assert [e["intrinsic_return"] for e in finished[0]] == [1.25, 6.0]
-    assert [e["intrinsic_rewarded_fraction"] for e in finished[0]] == [1.0, 1.0]
-    # env 1: 0.5 + 0 truncated (2 steps, 1 rewarded); the reset step belongs to no episode; 3 + 1 ends
-    assert [(e["intrinsic_return"], e["intrinsic_rewarded_fraction"]) for e in finished[1]] == [(0.5, 0.5), (4.0, 1.0)]
-    assert totals.tolist() == [[0.0, 0.0, 2.0], [0.0, 0.0, 0.0]]  # env 0: two steps in progress, unrewarded
-    pending = [collections.deque([{"score": s, "env_steps": s} for s in scores]) for scores in ([5, 9, 12], [7, 8])]
-    joined = oni_appo.join_episodes(pending, finished)
-    assert [(e["score"], e["intrinsic_return"]) for e in joined] == [(5, 1.25), (7, 0.5), (8, 4.0), (9, 6.0)]
-    assert oni_appo.join_episodes(pending, finished, final=True) == [{"score": 12, "env_steps": 12}]
-
-
-def test_the_learner_thread_keeps_the_process_threads_beside_a_reward_model_trainer(monkeypatch):
-    """torch.set_num_threads in the trainer thread also sets the default of threads that start later."""
-    import threading
-    import reward_models
-    intrinsic = reward_models.IntrinsicReward(oni_appo.Args(reward_type="classification"), "cpu")
-    intrinsic.start()
-    time.sleep(0.5)  # the trainer thread has set its own threads
-    seen = []
-    monkeypatch.setattr(oni_appo, "next_batch", lambda run: seen.append(torch.get_num_threads()))  # then stops
-    learner = threading.Thread(target=oni_appo.learn, args=(None,))
-    learner.start()
-    learner.join()
-    intrinsic.close()
-    assert oni_appo.TORCH_THREADS == torch.get_num_threads() and seen == [oni_appo.TORCH_THREADS]
-
-
 @pytest.mark.parametrize("to_group", [False, True])
 def test_sigterm_saves_a_checkpoint_and_stops_the_workers(tmp_path, to_group):
-    """SIGTERM to the trainer, or to its whole process group as a scheduler sends it (there with an LLM reward type,
-    whose annotator and Manager are in the group too): a clean stop with a checkpoint and no process left. Sent to the
-    group, the acting process died at once and the run ended with "the acting process died" (2 runs in 4); the
-    Manager died with it and the run ended in a traceback; and the old check for leftovers (pgrep of a parent pid in
-    spawn_main's command line) could not match anything."""
-    from benchmarks.fake_openai import FakeOpenAI
+    """SIGTERM to the trainer, or to its whole process group as a scheduler sends it (there with an LLM reward
+    type, whose annotator and Manager are in the group too): a clean stop with a checkpoint and no process
+    left. Sent to the group, the acting process died at once and the run ended with "the acting process died"
+    (2 runs in 4); the Manager died with it and the run ended in a traceback; and the old check for leftovers
+    (pgrep of a parent pid in spawn_main's command line) could not match anything."""
+    from fake_openai import FakeOpenAI
     run_dir, fake = str(tmp_path / "run"), FakeOpenAI().start() if to_group else None
     llm = ["--reward-type", "classification", "--llm-url", fake.url] if to_group else []
     proc = subprocess.Popen([sys.executable, "oni_appo.py", *SMALL_RUN, *llm, "--run-dir", run_dir],
-                            start_new_session=True, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            start_new_session=True, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
     try:
         for line in proc.stdout:  # wait for the first progress line
             if "steps/s" in line:
                 break
-        assert len(descendants(proc.pid)) >= 3  # the acting process and its 2 workers (+ the Manager, the annotator)
+        # the acting process and its 2 workers (+ the Manager, the annotator)
+        assert len(descendants(proc.pid)) >= 3
         if to_group:
             os.killpg(proc.pid, signal.SIGTERM)
         else:
             proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=120)
-        assert proc.returncode == 128 + signal.SIGTERM and "Traceback" not in err, err[-2000:]  # a stop, not an end
-        assert "restarting" not in err  # a stop is no crash: no annotator started again (it dies of the SIGTERM)
+        # a stop, not an end
+        assert proc.returncode == 128 + signal.SIGTERM and "Traceback" not in err, err[-2000:]
+        # a stop is no crash: no annotator started again (it dies of the SIGTERM)
+        assert "restarting" not in err
         assert os.path.exists(os.path.join(run_dir, "checkpoint.pt"))
         assert json.load(open(os.path.join(run_dir, "summary.json")))["env_steps"] > 0
         deadline = time.time() + 10  # any process of the run's session, started before the signal or after it
@@ -374,51 +144,66 @@ def in_session(sid):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["--task", "NoSuchTask-v0"], "error: unknown task 'NoSuchTask-v0'; known tasks: NetHackScoreExtendedActions-v1"),
+    (["--task", "NoSuchTask-v0"],
+     "error: unknown task 'NoSuchTask-v0'; known tasks: NetHackScoreExtendedActions-v1"),
     (["--reward-type", "bogus"], "error: unknown reward type 'bogus'; choose one of none, retrieval"),
-    (["--num-envs-per-worker", "3"], "error: need --num-workers, --rollout, --batch-size, --total-env-steps >= 1 and an even"),
-    (["--batch-size", "0"], "error: need --num-workers, --rollout, --batch-size, --total-env-steps >= 1 and an even"),
+    (["--num-envs-per-worker", "3"],
+     "error: need --num-workers, --rollout, --batch-size, --total-env-steps >= 1 and an even"),
+    (["--batch-size", "0"],
+     "error: need --num-workers, --rollout, --batch-size, --total-env-steps >= 1 and an even"),
     (["--rollout", "0"], "error: need --num-workers, --rollout, --batch-size, --total-env-steps >= 1"),
-    (["--total-env-steps", "0"], "error: need --num-workers, --rollout, --batch-size, --total-env-steps >= 1"),
-    (["--total-env-steps", "-5"], "error: need --num-workers, --rollout, --batch-size, --total-env-steps >= 1"),
+    (["--total-env-steps", "0"],
+     "error: need --num-workers, --rollout, --batch-size, --total-env-steps >= 1"),
+    (["--total-env-steps", "-5"],
+     "error: need --num-workers, --rollout, --batch-size, --total-env-steps >= 1"),
     (["--llm-concurrency", "0"], "error: --llm-concurrency must be at least 1, not 0"),
     (["--llm-url", "localhost:8000"], "error: --llm-url 'localhost:8000' is no http:// or https:// URL"),
     (["--batch-size", "100"], "error: --batch-size (100) must be a multiple of"),
     (["--resume", "/nonexistent/run"], "error: no checkpoint at /nonexistent/run"),
     (["--device", "nonsense"], "error: cannot use device 'nonsense'"),
-    (["--max-episode-steps", "0"], "error: need --max-episode-steps >= 1, --llm-threads >= 1, 0 < --reward-model-share"),
-    (["--llm-threads", "0"], "error: need --max-episode-steps >= 1, --llm-threads >= 1, 0 < --reward-model-share"),
-    (["--reward-model-share", "0"], "error: need --max-episode-steps >= 1, --llm-threads >= 1, 0 < --reward-model-share"),
-    (["--reward-model-share", "1.5"], "error: need --max-episode-steps >= 1, --llm-threads >= 1, 0 < --reward-model-share"),
-    (["--llm-share", "0"], "error: need --max-episode-steps >= 1, --llm-threads >= 1, 0 < --reward-model-share"),
-    (["--llm-share", "1.5"], "error: need --max-episode-steps >= 1, --llm-threads >= 1, 0 < --reward-model-share"),
+    (["--max-episode-steps", "0"],
+     "error: need --max-episode-steps >= 1, --llm-threads >= 1, 0 < --reward-model-share"),
+    (["--llm-threads", "0"],
+     "error: need --max-episode-steps >= 1, --llm-threads >= 1, 0 < --reward-model-share"),
+    (["--reward-model-share", "0"],
+     "error: need --max-episode-steps >= 1, --llm-threads >= 1, 0 < --reward-model-share"),
+    (["--reward-model-share", "1.5"],
+     "error: need --max-episode-steps >= 1, --llm-threads >= 1, 0 < --reward-model-share"),
+    (["--llm-share", "0"],
+     "error: need --max-episode-steps >= 1, --llm-threads >= 1, 0 < --reward-model-share"),
+    (["--llm-share", "1.5"],
+     "error: need --max-episode-steps >= 1, --llm-threads >= 1, 0 < --reward-model-share"),
 ])
 def test_bad_flags_are_one_line_errors(argv, message, tmp_path):
-    result = run(["--total-env-steps", "1000", "--run-dir", str(tmp_path / "r"), *argv], timeout=120)  # argv's last
+    result = run(["--total-env-steps", "1000", "--run-dir", str(tmp_path / "r"), *argv],
+                 timeout=120)  # argv's last
     assert result.returncode != 0
     assert result.stderr.strip().startswith(message), result.stderr
     assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
 
 
 def test_a_run_dir_is_held_by_one_learner_and_freed_when_it_dies(tmp_path):
-    """Guards issue 45 item 2: two learners on one run dir both ran to the end, interleaving episodes.jsonl and
-    labels.jsonl. The second gets one line naming the holder; a holder killed with -9 frees the dir."""
+    """Guards issue 45 item 2: two learners on one run dir both ran to the end, interleaving episodes.jsonl
+    and labels.jsonl. The second gets one line naming the holder; a holder killed with -9 frees the dir."""
     run_dir = tmp_path / "run"
-    holder = subprocess.Popen([sys.executable, "-c", "import oni_appo, sys, time; lock = oni_appo.hold(sys.argv[1]); "
+    holder = subprocess.Popen([sys.executable, "-c",
+                               "import oni_appo, sys, time; lock = oni_appo.hold(sys.argv[1]); "
                                "print('held', flush=True); time.sleep(600)", str(run_dir)],
                               cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
         second = run([*SMALL_RUN, "--total-env-steps", "1000", "--run-dir", str(run_dir)], timeout=120)
         assert second.returncode != 0 and second.stderr.strip() == (
-            f"error: --run-dir {run_dir} is in use by another learner (pid {holder.pid} on {socket.gethostname()})")
+            f"error: --run-dir {run_dir} is in use by another learner (pid {holder.pid} on "
+            f"{socket.gethostname()})")
     finally:
         holder.kill()
         holder.wait()
     lock = oni_appo.hold(str(run_dir))  # the kernel freed the lock of the killed process
     lock.close()
     (tmp_path / "file").write_text("")
-    bad = run([*SMALL_RUN, "--total-env-steps", "1000", "--run-dir", str(tmp_path / "file" / "run")], timeout=120)
+    bad = run([*SMALL_RUN, "--total-env-steps", "1000", "--run-dir", str(tmp_path / "file" / "run")],
+              timeout=120)
     assert bad.returncode != 0 and bad.stderr.startswith("error: cannot write to --run-dir") and len(
         bad.stderr.strip().splitlines()) == 1
 
@@ -433,7 +218,8 @@ def test_a_resume_sends_the_key_only_to_servers_named_on_its_command_line(tmp_pa
     monkeypatch.setenv("OPENAI_API_KEY", "sk-mine")
     with pytest.raises(SystemExit, match="OPENAI_API_KEY goes only to servers named on this command line"):
         oni_appo.parse_args(["--resume", path])
-    assert oni_appo.parse_args(["--resume", path, "--llm-url", "http://mine:8/v1"]).llm_url == ["http://mine:8/v1"]
+    assert oni_appo.parse_args(["--resume", path, "--llm-url", "http://mine:8/v1"]).llm_url == [
+        "http://mine:8/v1"]
     monkeypatch.delenv("OPENAI_API_KEY")  # no key to lose: the saved server is asked, and the run says so
     assert oni_appo.parse_args(["--resume", path]).llm_url == ["http://elsewhere:9/v1"]
     assert "--resume: asking the run's --llm-url http://elsewhere:9/v1" in capsys.readouterr().err
@@ -474,8 +260,9 @@ def test_ctrl_c_twice_still_saves_exits_130_and_a_garbage_episode_line_is_one_er
 
 @pytest.mark.parametrize("files", [["episodes.jsonl", "labels.jsonl"], ["checkpoint.pt"]])
 def test_a_fresh_start_into_an_earlier_runs_directory_is_refused(files, tmp_path):
-    """A run killed before its first checkpoint left its logs: a fresh start appended the new run's labels to them
-    (five_1m's Classification seed 3), and one into a finished run's directory would overwrite its checkpoint."""
+    """A run killed before its first checkpoint left its logs: a fresh start appended the new run's labels to
+    them (five_1m's Classification seed 3), and one into a finished run's directory would overwrite its
+    checkpoint."""
     for name in files:
         (tmp_path / name).write_text("earlier\n")
     with pytest.raises(SystemExit) as stop:
@@ -502,10 +289,11 @@ def test_corrupt_and_mismatched_checkpoints_are_clear_errors(tmp_path):
     assert "Traceback" not in result.stderr
 
 
-@pytest.mark.parametrize("victim, error", [("worker", "error: env worker"), ("acting", "error: the acting process died")])
+@pytest.mark.parametrize("victim, error", [("worker", "error: env worker"),
+                                           ("acting", "error: the acting process died")])
 def test_a_dead_worker_ends_the_run_with_a_clear_error_and_a_checkpoint(tmp_path, victim, error):
-    """A dead env worker or acting process (the learner's child; the workers are its children) must stop the run with
-    a one-line error and a checkpoint, not leave the learner waiting for rollouts that never come."""
+    """A dead env worker or acting process (the learner's child; the workers are its children) must stop the
+    run with a one-line error and a checkpoint, not leave the learner waiting for rollouts that never come."""
     run_dir = str(tmp_path / "run")
     proc = subprocess.Popen([sys.executable, "oni_appo.py", *SMALL_RUN, "--run-dir", run_dir],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -520,161 +308,8 @@ def test_a_dead_worker_ends_the_run_with_a_clear_error_and_a_checkpoint(tmp_path
     assert proc.returncode != 0
     assert err.strip().splitlines()[-1].startswith(error) and "Traceback" not in err, err[-3000:]
     assert f"--resume {run_dir}" in err
-    assert torch.load(os.path.join(run_dir, "checkpoint.pt"), weights_only=True)["counters"]["learned_steps"] > 0
-
-
-def test_an_acting_process_killed_mid_message_is_a_clear_failure_not_a_hang():
-    """Killed while it wrote a rollout message (kill -9, OOM): part of a message in the pipe. The learner kept its own
-    copy of the pipe's write end, so the pipe never closed and recv() waited forever for the rest. Now the acting
-    process holds it alone (start_acting closes the learner's) and the learner takes the pipe's end for its death."""
-    import multiprocessing
-    import struct
-    learner_end, acting_end = multiprocessing.Pipe(duplex=False)
-    os.write(acting_end.fileno(), struct.pack("!i", 1000) + b"part of a rollout message")  # a header, 1,000 promised
-    acting_end.close()  # the process is gone
-    run = SimpleNamespace(full_rollouts=learner_end, stop=SimpleNamespace(value=0), failure=None, ended=False,
-                          tally=SimpleNamespace(pending=collections.defaultdict(list),
-                                                counters={"episodes": 0, "collected_steps": 0}))
-    assert oni_appo.next_message(run, 1) == (None, None)
-    assert run.failure == "the acting process died" and run.stop.value == 1 and run.ended
-
-
-def test_an_end_that_next_batch_read_is_not_waited_for_again():
-    """A stop set while next_batch polls: the acting process's "end" arrives there, and next_batch returns. The
-    same CI failure, at a second place: end_acting waited for another "end", and when the process (still stopping
-    its workers when end_acting began) exited, took it for dead: "the acting process died" at a requested stop
-    (pipeline_ceiling at 2 x 16 x 1,024, once in two runs)."""
-    import multiprocessing
-    learner_end, acting_end = multiprocessing.Pipe()
-
-    class Exits:  # alive when end_acting begins, gone after
-        alive = [True]
-
-        def is_alive(self):
-            return self.alive.pop() if self.alive else False
-        join = kill = lambda self, timeout=None: None
-    acting_end.send(("end", None, [], 5))
-    run = SimpleNamespace(full_rollouts=learner_end, acting=Exits(), stop=SimpleNamespace(value=1), failure=None,
-                          tally=SimpleNamespace(pending=collections.defaultdict(list),
-                                                counters={"episodes": 0, "collected_steps": 0}), ended=False)
-    assert oni_appo.next_message(run, 0) == ("end", None)  # read by next_batch
-    oni_appo.end_acting(run)
-    assert run.failure is None
-
-
-class CrashOnce:
-    """A real env whose 6th step (counted over all instances) raises, as a broken game would."""
-    calls = 0
-
-    def __init__(self, env):
-        self.env = env
-
-    def reset(self):
-        return self.env.reset()
-
-    def step(self, action):
-        CrashOnce.calls += 1
-        if CrashOnce.calls == 6:
-            raise RuntimeError("injected crash")
-        return self.env.step(action)
-
-    def close(self):
-        self.env.close()
-
-
-def test_worker_end_codes_truncation_and_crash_recovery(monkeypatch):
-    import multiprocessing as mp
-
-    import envs
-    from nle import nethack
-    real_make = envs.make_env
-    monkeypatch.setattr(envs, "make_env", lambda task, seed=None, **kw: CrashOnce(real_make(task, seed=seed, max_episode_steps=4)))
-    T = 8
-    buffers = oni_appo.make_buffers(1, T, 1)  # one buffer, one env per half
-    buffers["action"][:] = envs.ACTIONS.index(nethack.Command.SEARCH)
-    parent, child = mp.get_context("fork").Pipe()  # fork: the child keeps the patched make_env
-    worker = mp.get_context("fork").Process(target=oni_appo.env_worker,
-                                            args=(0, "NetHackScoreExtendedActions-v1", 0, 2, buffers, child))
-    worker.start()
-    parent.send((0, 0, -1))
-    parent.recv()
-    episodes = []
-    for t in range(T):
-        parent.send((0, 0, t))
-        half, finished = parent.recv()
-        episodes += finished
-    parent.send(None)
-    worker.join(timeout=30)
-    ends = buffers["end"][0, :, 0].tolist()
-    R, TR, RS = End.RUNNING, End.TRUNCATED, End.RESET
-    # 4 steps then the time limit; a reset step; 2 steps; the crash (a recreated env: reset); a step
-    assert ends == [R, R, R, TR, RS, R, RS, R]
-    assert buffers["blstats"][0, 4, 0].abs().sum() > 0  # the truncated episode's real last observation
-    assert [(i, e["steps"]) for i, e in episodes] == [(0, 4)]  # (env index in the worker, statistics)
-    assert buffers["step_count"][0, 5, 0] >= 1
-    assert buffers["step_message"][0, 4].abs().sum() == 0 and buffers["step_count"][0, 4, 0] == 1  # reset: no message
-
-
-def drive_worker_until_an_episode_ends(task, seed, T=64, max_rollouts=200):
-    """A real env worker (one env per half), random actions from a seeded stream, rollout after
-    rollout in one buffer, until half 0's env terminates. Returns the buffers, t and every action."""
-    import multiprocessing as mp
-
-    import envs
-    buffers = oni_appo.make_buffers(1, T, 1)
-    parent, child = mp.get_context("fork").Pipe()
-    worker = mp.get_context("fork").Process(target=oni_appo.env_worker, args=(0, task, seed, 2, buffers, child))
-    worker.start()
-    rng, actions = np.random.default_rng(seed), []
-    try:
-        parent.send((0, 0, -1))
-        parent.recv()
-        for _ in range(max_rollouts):
-            buffers["action"][0, :, 0] = torch.from_numpy(rng.integers(len(envs.ACTIONS), size=T))
-            for t in range(T):
-                parent.send((0, 0, t))
-                parent.recv()
-                actions.append(int(buffers["action"][0, t, 0]))
-                if buffers["end"][0, t, 0] == End.TERMINATED:
-                    return buffers, t, actions
-    finally:
-        parent.send(None)
-        worker.join(timeout=30)
-    raise AssertionError("no episode ended")
-
-
-def test_a_step_that_ends_an_episode_is_scored_with_its_own_last_message():
-    import envs
-    import reward_models
-    task, seed = "NetHackScoreExtendedActions-v1", 5
-    buffers, t, actions = drive_worker_until_an_episode_ends(task, seed)
-    replica = envs.make_env(task, seed=seed)  # the same game and actions, outside the worker
-    replica.reset()
-    for a in actions:
-        last_obs, _, terminated, _, info = replica.step(a)
-    assert terminated
-    last_message = envs.message_bytes(last_obs["message"])
-    assert envs.message_bytes(buffers["step_message"][0, t, 0].numpy()) == last_message
-    assert buffers["step_count"][0, t, 0] == info["message_count"]
-    # the next observation already belongs to the next episode (its first message: the welcome, or the
-    # moon's on a seed with a full or new moon): the reward must not look there
-    welcome = envs.message_bytes(buffers["message"][0, t + 1, 0].numpy())
-    assert welcome and welcome == envs.message_bytes(replica.reset()[0]["message"])
-
-    def paid(labels):  # the learner's intrinsic reward (Retrieval with these labels) of the rollout's steps
-        args = oni_appo.Args(reward_type="retrieval", extrinsic_coef=0.0, intrinsic_coef=1.0)
-        intrinsic = reward_models.IntrinsicReward(args, "cpu")
-        intrinsic.add_labels([{"caption": c, "label": v} for c, v in labels.items()])
-        rewards, _, stats = intrinsic.rewards(torch.zeros(t + 1, 1), buffers["step_message"][0, :t + 1],
-                                           buffers["step_count"][0, :t + 1], buffers["end"][0, :t + 1] == End.TERMINATED)
-        return rewards[:, 0], stats
-
-    rewards, stats = paid({welcome.decode("latin-1"): 1.0})
-    assert rewards.abs().sum() == 0 and stats["terminal_step_reward"] == 0  # the welcome is paid on no step
-    assert last_message  # a death's last words (an empty one could not tell the two messages apart)
-    rewards, stats = paid({last_message.decode("latin-1"): 1.0})
-    assert rewards[t].item() == pytest.approx(1.0 / info["message_count"] ** 3) and rewards[t].item() > 0
-    assert stats["terminal_step_reward"] == rewards[t].item()
+    assert torch.load(os.path.join(run_dir, "checkpoint.pt"),
+                      weights_only=True)["counters"]["learned_steps"] > 0
 
 
 def train_in_process(tmp_path, argv, monkeypatch, loss_hook=None, name="run"):
@@ -705,7 +340,8 @@ def test_the_learner_recomputes_every_log_prob_and_pays_each_step_its_own_messag
     nothing at a reset step, a death paid for its last message, not the next episode's first."""
     import envs
     import reward_models
-    gaps = {name: [] for name in ("rollout start", "running", "after a death", "truncated", "reset", "after a reset")}
+    gaps = {name: [] for name in ("rollout start", "running", "after a death", "truncated", "reset",
+                                  "after a reset")}
     labels = {**dict.fromkeys(FIRST_MESSAGES, 1), "It's a wall.": 1, "It's solid stone.": 0}
     labels_file = str(tmp_path / "labels.jsonl")
     with open(labels_file, "w") as f:
@@ -725,7 +361,8 @@ def test_the_learner_recomputes_every_log_prob_and_pays_each_step_its_own_messag
         gap = (logp - batch["logprob"]).abs()
         previous = torch.cat([torch.full_like(end[:1], -1), end[:-1]])
         for name, where in (("rollout start", previous == -1), ("running", (previous == 0) & (end == 0)),
-                            ("after a death", previous == End.TERMINATED), ("truncated", end == End.TRUNCATED),
+                            ("after a death", previous == End.TERMINATED),
+                            ("truncated", end == End.TRUNCATED),
                             ("reset", end == End.RESET), ("after a reset", previous == End.RESET)):
             gaps[name].append(gap[where])
         learned, step_message = taken.pop()[:2]
@@ -764,7 +401,8 @@ def test_the_same_seed_gives_the_same_first_update(tmp_path, monkeypatch):
 
     def record(real_loss, agent, batch, rewards, args):
         loss, losses = real_loss(agent, batch, rewards, args)
-        first_updates.append((loss.item(), batch["action"].clone(), [p.detach().clone() for p in agent.parameters()]))
+        first_updates.append((loss.item(), batch["action"].clone(),
+                              [p.detach().clone() for p in agent.parameters()]))
         return loss, losses
 
     argv = ["--num-workers", "1", "--num-envs-per-worker", "4", "--batch-size", "128",
@@ -803,7 +441,7 @@ def test_checkpoints_written_during_training_hold_whole_updates(tmp_path, monkey
 
 
 def test_an_llm_error_retrying_cannot_fix_stops_the_run_with_a_checkpoint(tmp_path):
-    from benchmarks.fake_openai import FakeOpenAI
+    from fake_openai import FakeOpenAI
     server = FakeOpenAI().start()
     run_dir = str(tmp_path / "run")
     try:
@@ -820,18 +458,21 @@ def test_an_llm_error_retrying_cannot_fix_stops_the_run_with_a_checkpoint(tmp_pa
 
 
 def test_resume_takes_the_llm_flags_and_names_the_flags_it_ignores(tmp_path, capsys):
-    """After "error: annotator: HTTP 404 ... model does not exist", --resume with the right model must work."""
+    """After "error: annotator: HTTP 404 ... model does not exist", --resume with the right model must
+    work."""
     import dataclasses
     path = str(tmp_path / "checkpoint.pt")
     saved = oni_appo.Args(reward_type="ranking", llm_model="wrong-model", run_dir=str(tmp_path))
     torch.save({"format": 1, "model": {}, "counters": {}, "args": dataclasses.asdict(saved)}, path)
     args = oni_appo.parse_args(["--resume", path, "--llm-model", "right-model", "--prompt-file", "fixed.json",
                                 "--lr", "0.5"])
-    assert (args.llm_model, args.prompt_file, args.lr, args.reward_type) == ("right-model", "fixed.json", 1e-4, "ranking")
+    assert (args.llm_model, args.prompt_file, args.lr, args.reward_type) == (
+        "right-model", "fixed.json", 1e-4, "ranking")
     assert "--resume: ignoring --lr" in capsys.readouterr().err
     for saved_share, argv, share in ((0.5, [], 0.5), (0.5, ["--reward-model-share", "1"], 1.0),
                                      (None, [], 1.0), (None, ["--reward-model-share", "0.2"], 0.2)):
-        saved = dataclasses.asdict(oni_appo.Args(reward_type="ranking", reward_model_share=saved_share, run_dir=str(tmp_path)))
+        saved = dataclasses.asdict(oni_appo.Args(reward_type="ranking", reward_model_share=saved_share,
+                                                 run_dir=str(tmp_path)))
         if saved_share is None:  # a checkpoint from before the flag
             del saved["reward_model_share"]
         torch.save({"format": 1, "model": {}, "counters": {}, "args": saved}, path)
@@ -839,12 +480,12 @@ def test_resume_takes_the_llm_flags_and_names_the_flags_it_ignores(tmp_path, cap
 
 
 def test_a_run_split_by_two_resumes_reports_the_totals_of_its_pieces(tmp_path, monkeypatch):
-    """summary.json after a resume described the last session alone: llm_labels 130 while labels.jsonl held 492;
-    wall time, LLM failures, policy lag and the largest reward of one session only. The run's LLM server wants
-    a key; each session records what made it. And the labels a session gets are paid in that session: in the
-    first, with no labels before it, as in the others."""
-    from benchmarks import fake_openai
-    from benchmarks.fake_openai import FakeOpenAI
+    """summary.json after a resume described the last session alone: llm_labels 130 while labels.jsonl held
+    492; wall time, LLM failures, policy lag and the largest reward of one session only. The run's LLM server
+    wants a key; each session records what made it. And the labels a session gets are paid in that session: in
+    the first, with no labels before it, as in the others."""
+    import fake_openai
+    from fake_openai import FakeOpenAI
     helpful = fake_openai.good  # and the wall, on ~10% of random play's steps: every session shows it
     monkeypatch.setattr(fake_openai, "good", lambda text: "It's a wall." in text or helpful(text))
     fake, run_dir, summaries, failed = FakeOpenAI().start(), str(tmp_path / "run"), [], 0
@@ -852,8 +493,9 @@ def test_a_run_split_by_two_resumes_reports_the_totals_of_its_pieces(tmp_path, m
     try:
         for steps in (4000, 8000, 12000):
             fake.fail_next = 2  # up to two failed requests in each session
-            start = (SMALL_RUN[:-1] + ["retrieval", "--llm-url", fake.url, "--run-dir", run_dir] if not summaries
-                     else ["--resume", run_dir, "--llm-url", fake.url])  # the key goes where this command sends it
+            # the key goes where this command sends it
+            start = (SMALL_RUN[:-1] + ["retrieval", "--llm-url", fake.url, "--run-dir", run_dir]
+                     if not summaries else ["--resume", run_dir, "--llm-url", fake.url])
             keyed = {**os.environ, "OPENAI_API_KEY": fake.key}
             result = run(start + ["--total-env-steps", str(steps)], env=keyed)
             assert result.returncode == 0, result.stderr[-2000:]
@@ -885,8 +527,9 @@ def test_a_run_split_by_two_resumes_reports_the_totals_of_its_pieces(tmp_path, m
         assert summaries[n]["sessions"][:n] == (summaries[n - 1]["sessions"] if n else [])
         assert summaries[n]["sessions"][n] == {**record, "llm": {"urls": [fake.url], "model": "fake-base"}}
     last = summaries[-1]
-    # exactly: a session's time ends at its last save, from which the next goes on (it ended after messages.tsv and
-    # the LLM's stats, which the saved total missed: 1.25 s short over two resumes on a loaded box)
+    # exactly: a session's time ends at its last save, from which the next goes on (it ended after
+    # messages.tsv and the LLM's stats, which the saved total missed: 1.25 s short over two resumes on a
+    # loaded box)
     assert last["wall_time_s"] == pytest.approx(sum(s["session_wall_time_s"] for s in summaries), abs=1e-6)
     assert last["llm_failures"] == failed > 2
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -934,7 +577,8 @@ def test_a_reward_model_trainer_crash_saves_the_run_and_it_resumes_exactly(tmp_p
     from test_reward_models import assert_same
     labels = tmp_path / "labels.jsonl"  # both classes at once: the first fit is due from the first update
     labels.write_text("".join(json.dumps({"caption": c, "label": v}) + "\n" for c, v in
-                              (("You kill the newt!", 1), ("It's a wall.", 0), ("You see here 3 gold pieces.", 1))))
+                              (("You kill the newt!", 1), ("It's a wall.", 0),
+                               ("You see here 3 gold pieces.", 1))))
     monkeypatch.setattr(reward_models, "NEEDS_LLM", ())  # no annotator: the labels file is all it learns from
     monkeypatch.setattr(reward_models, "SMALL_SET", 0)  # a step per learner batch: published before the crash
     calls, real_loss = [], reward_models.Classification.minibatch_loss
@@ -945,12 +589,13 @@ def test_a_reward_model_trainer_crash_saves_the_run_and_it_resumes_exactly(tmp_p
             raise ValueError("injected trainer crash")
         return real_loss(self, batch_size)
     monkeypatch.setattr(reward_models.Classification, "minibatch_loss", crash_on_the_fifth_step)
-    argv = ["--num-workers", "1", "--num-envs-per-worker", "4", "--batch-size", "256", "--reward-type", "classification",
-            "--labels-from", str(labels), "--total-env-steps", "50000"]
+    argv = ["--num-workers", "1", "--num-envs-per-worker", "4", "--batch-size", "256", "--reward-type",
+            "classification", "--labels-from", str(labels), "--total-env-steps", "50000"]
     with pytest.raises(SystemExit) as stop:
         train_in_process(tmp_path, argv, monkeypatch)
     run_dir = tmp_path / "run"
-    assert str(stop.value).startswith("error: the reward model's trainer failed (ValueError: injected trainer crash)")
+    assert str(stop.value).startswith(
+        "error: the reward model's trainer failed (ValueError: injected trainer crash)")
     assert str(stop.value).endswith(f"checkpoint saved, continue with --resume {run_dir}")
     assert "injected trainer crash" in capsys.readouterr().err  # its traceback, printed when it happened
     assert all((run_dir / f).exists() for f in ("checkpoint.pt", "summary.json", "messages.tsv"))
@@ -984,7 +629,8 @@ def test_a_reward_model_trainer_crash_saves_the_run_and_it_resumes_exactly(tmp_p
     monkeypatch.setattr(reward_models.TrainedModel, "start", start)
     monkeypatch.setattr(oni_appo, "learn", learn)
     monkeypatch.setattr(oni_appo, "update_policy", update_policy)
-    summary = train_in_process(tmp_path, ["--resume", str(run_dir), "--total-env-steps", str(saved["learned_steps"] + 1024)],
+    summary = train_in_process(tmp_path, ["--resume", str(run_dir), "--total-env-steps",
+                                          str(saved["learned_steps"] + 1024)],
                                monkeypatch)
     assert summary["updates"] > saved["updates"] and summary["env_steps"] >= saved["learned_steps"] + 1024
     model, optimizer, counters, start_collected = seen["policy"]
@@ -1021,9 +667,10 @@ def descendants(pid):
 
 
 def test_a_trainer_killed_by_sigkill_leaves_no_child_running(tmp_path):
-    """15 s after kill -9 of the trainer, the llama.cpp server, the Manager and the annotator were alive under PID 1:
-    each crash-and-resume added an LLM server holding cores and memory."""
-    proc = subprocess.Popen([sys.executable, "oni_appo.py", *SMALL_RUN[:-1], "retrieval", "--run-dir", str(tmp_path / "run")],
+    """15 s after kill -9 of the trainer, the llama.cpp server, the Manager and the annotator were alive under
+    PID 1: each crash-and-resume added an LLM server holding cores and memory."""
+    proc = subprocess.Popen([sys.executable, "oni_appo.py", *SMALL_RUN[:-1], "retrieval", "--run-dir",
+                             str(tmp_path / "run")],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     for line in proc.stdout:
         if "steps/s" in line:  # the embedded server, the Manager, the annotator and the workers all run
@@ -1033,46 +680,54 @@ def test_a_trainer_killed_by_sigkill_leaves_no_child_running(tmp_path):
     proc.kill()
     proc.wait()
     deadline = time.time() + 10
-    while (left := [pid for pid in children if process_states().get(pid, ("Z",))[0] != "Z"]) and time.time() < deadline:
+    while ((left := [pid for pid in children if process_states().get(pid, ("Z",))[0] != "Z"])
+           and time.time() < deadline):
         time.sleep(0.2)
     assert not left, [open(f"/proc/{pid}/cmdline").read().replace("\0", " ")[:100] for pid in left]
 
 
 def test_defaults_follow_the_device_and_a_resume_keeps_its_own(tmp_path, monkeypatch):
-    """On a GPU node the defaults were a laptop's: every core a worker (none left for the process that acts and
-    learns) and 16 envs per worker with batches of 1,024, 0.55 of the speed of 64 x 4,096 on an H200
+    """On a GPU node the defaults were a laptop's: every core a worker (none left for the process that acts
+    and learns) and 16 envs per worker with batches of 1,024, 0.55 of the speed of 64 x 4,096 on an H200
     (benchmarks/README.md, On a GPU node)."""
     import dataclasses
     monkeypatch.setattr(oni_appo.os, "cpu_count", lambda: 16)
     cpu, gpu = oni_appo.parse_args(["--device", "cpu"]), oni_appo.parse_args(["--device", "cuda:1"])
     assert (cpu.num_workers, cpu.num_envs_per_worker, cpu.batch_size) == (16, 16, 1024)
     assert (gpu.num_workers, gpu.num_envs_per_worker, gpu.batch_size) == (14, 64, 4096)
-    mine = oni_appo.parse_args(["--device", "cuda", "--num-workers", "3", "--num-envs-per-worker", "8", "--batch-size", "128"])
+    mine = oni_appo.parse_args(["--device", "cuda", "--num-workers", "3", "--num-envs-per-worker", "8",
+                                "--batch-size", "128"])
     assert (mine.num_workers, mine.num_envs_per_worker, mine.batch_size) == (3, 8, 128)
     path = str(tmp_path / "checkpoint.pt")  # a run started on a CPU, resumed on a GPU: the same batches
     torch.save({"format": 1, "model": {}, "counters": {}, "args": dataclasses.asdict(cpu)}, path)
     resumed = oni_appo.parse_args(["--resume", path, "--device", "cuda"])
     assert (resumed.num_envs_per_worker, resumed.batch_size) == (16, 1024)
-    with pytest.raises(SystemExit, match="need --num-workers, --rollout, --batch-size, --total-env-steps >= 1"):
+    with pytest.raises(SystemExit,
+                       match="need --num-workers, --rollout, --batch-size, --total-env-steps >= 1"):
         oni_appo.parse_args(["--device", "cuda", "--num-envs-per-worker", "0"])
 
 
 def test_resume_applies_every_flag_given_even_at_its_default(tmp_path, capsys):
     """A flag given with its default value counted as not given: a run saved with 16 workers and 500,000 steps
-    kept both under `--num-workers 2 --total-env-steps 2000000000` on a 2-core box, and could never leave --llm-url."""
+    kept both under `--num-workers 2 --total-env-steps 2000000000` on a 2-core box, and could never leave
+    --llm-url."""
     import dataclasses
     path = str(tmp_path / "checkpoint.pt")
-    saved = oni_appo.Args(reward_type="ranking", num_workers=16, total_env_steps=500_000, llm_url=["http://gpu:8000/v1"],
-                          reward_model_share=0.5, run_dir=str(tmp_path))
+    saved = oni_appo.Args(reward_type="ranking", num_workers=16, total_env_steps=500_000,
+                          llm_url=["http://gpu:8000/v1"], reward_model_share=0.5, run_dir=str(tmp_path))
     torch.save({"format": 1, "model": {}, "counters": {}, "args": dataclasses.asdict(saved)}, path)
     defaults = oni_appo.parse_args(["--device", "cpu"])  # the defaults as resolved on this machine
     kept = oni_appo.parse_args(["--resume", path])  # nothing given: the saved values
-    assert (kept.num_workers, kept.total_env_steps, kept.llm_url, kept.reward_model_share) == (16, 500_000, ["http://gpu:8000/v1"], 0.5)
-    args = oni_appo.parse_args(["--resume", path, "--num-workers", str(defaults.num_workers), "--total_env_steps=2000000000",
-                                "--llm-url", "--reward-model-share", "1", "--lr", str(defaults.lr), "--no-raw-ranking"])
-    assert (args.num_workers, args.total_env_steps, args.llm_url, args.reward_model_share) == (defaults.num_workers, 2_000_000_000, [], 1.0)
+    assert (kept.num_workers, kept.total_env_steps, kept.llm_url, kept.reward_model_share) == (
+        16, 500_000, ["http://gpu:8000/v1"], 0.5)
+    args = oni_appo.parse_args(["--resume", path, "--num-workers", str(defaults.num_workers),
+                                "--total_env_steps=2000000000", "--llm-url", "--reward-model-share", "1",
+                                "--lr", str(defaults.lr), "--no-raw-ranking"])
+    assert (args.num_workers, args.total_env_steps, args.llm_url, args.reward_model_share) == (
+        defaults.num_workers, 2_000_000_000, [], 1.0)
     err = capsys.readouterr().err  # explicit defaults of flags a run keeps are named too
-    assert "--resume: ignoring --lr" in err and "--resume: ignoring --raw-ranking" in err and "--num-workers" not in err
+    assert ("--resume: ignoring --lr" in err and "--resume: ignoring --raw-ranking" in err
+            and "--num-workers" not in err)
 
 
 def test_the_trainer_gets_the_reward_model_share(tmp_path, monkeypatch):
@@ -1081,49 +736,10 @@ def test_the_trainer_gets_the_reward_model_share(tmp_path, monkeypatch):
     monkeypatch.setattr(reward_models.TrainedModel, "start", lambda self, share=1.0: shares.append(share))
     monkeypatch.setattr(reward_models, "NEEDS_LLM", ())  # no annotator, no LLM server
     for argv, share in (([], 1.0), (["--reward-model-share", "0.25"], 0.25)):
-        run = oni_appo.set_up(oni_appo.parse_args(["--reward-type", "classification", *argv, "--run-dir", str(tmp_path / "r")]))
+        run = oni_appo.set_up(oni_appo.parse_args(["--reward-type", "classification", *argv, "--run-dir",
+                                                   str(tmp_path / "r")]))
         run.writer.close()
         run.lock.close()  # the run dir, free for the next set_up
         assert shares.pop() == share
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(),
-                    reason="CUDA graphs need a GPU: CI (.ci/run, CPU only) skips it; run it on one (README)")
-def test_inference_from_cuda_graphs_equals_eager_inference_after_weight_updates():
-    """act() replays a CUDA graph per batch size; a graph that kept the weights it was captured with (were they
-    replaced, not copied into) or mixed up its sizes would act with a stale or wrong policy, off-policy unseen."""
-    torch.manual_seed(0)
-    learner, acting = oni_appo.Agent().cuda(), oni_appo.Agent().cuda().eval()
-    for n in (8, 24, 8, 24):
-        with torch.no_grad():
-            for p in learner.parameters():
-                p.add_(0.05 * torch.randn_like(p))
-        acting.load_state_dict(learner.state_dict())  # as update_policy hands the weights over
-        obs = {"chars": torch.randint(32, 127, (n, 21, 79), dtype=torch.uint8, device="cuda"),
-               "colors": torch.randint(0, 16, (n, 21, 79), dtype=torch.uint8, device="cuda"),
-               "blstats": torch.randint(0, 20, (n, 27), device="cuda").float(),
-               "message": torch.randint(0, 127, (n, 256), dtype=torch.uint8, device="cuda")}
-        h = torch.randn(n, 512, device="cuda")
-        with torch.no_grad():
-            fast, eager = [t.clone() for t in acting.fast_step(obs, h)], acting.step(obs, h)
-        assert all(torch.equal(a, b) for a, b in zip(fast, eager))
-    assert sorted(acting.graphs) == [8, 24]
-
-
-def test_the_acting_process_samples_actions_with_the_policys_probabilities(monkeypatch):
-    """The learner's log-prob checks recompute whatever act() picked, so a draw that ignored the policy's
-    probabilities passed them all: a seeded chi-square test of act()'s actions against a known distribution."""
-    args = SimpleNamespace(seed=1, device="cpu", num_workers=1, num_envs_per_worker=64)  # 2 slots of 32 envs
-    agent = oni_appo.Agent()
-    actor = oni_appo.Actor(args, oni_appo.make_buffers(2, 1, 32), oni_appo.SharedWeights(agent, 0), None, None,
-                           None, 0)
-    logits = torch.linspace(0.0, -4.0, agent.actor.out_features)  # probabilities from ~0.2 to ~0.004
-    monkeypatch.setattr(actor.agent, "fast_step", lambda obs, h: (logits.expand(len(h), -1), None, h))
-    counts, conn = np.zeros(len(logits)), SimpleNamespace(send=lambda message: None)
-    for _ in range(200):  # 12,800 actions
-        actor.slot_t = [0, 0]
-        oni_appo.act(actor, [conn], [0, 1])
-        counts += np.bincount(actor.arrays["action"][:, 0].ravel(), minlength=len(logits))
-    expected = counts.sum() * logits.softmax(0).numpy()
-    chi2, dof = ((counts - expected) ** 2 / expected).sum(), len(logits) - 1
-    assert chi2 < dof + 6 * np.sqrt(2 * dof), chi2  # p ~ 1e-5 for the right distribution; a wrong one: thousands

@@ -8,11 +8,11 @@ Like vLLM, it serves /tokenize (with `llama_cpp` set, llama-cpp-python's /extras
 404 for a model it does not have, and like OpenAI it rejects
 (400) logit biases outside [-100, 100]. Asked for log-probabilities (`logprobs`) it answers logp(" Yes") -
 logp(" No") = `margins[caption]` (default +2 helpful, -2 not), unless `logprobs` is "error" (HTTP 500, as
-llama.cpp without --logits_all) or "absent" (no log-probabilities in the answer). It records every call in `calls`; `delay` is a fixed latency
-of every (chat) completion, and `max_active` the most of them it answered at once. With a `key`, as llama.cpp
-and vLLM with theirs, it answers `key_status` (401) to any request without "Authorization: Bearer KEY";
-`authorizations` holds every request's Authorization header (None: none). `redirects` maps a path to a URL
-that a request to it is redirected to (302)."""
+llama.cpp without --logits_all) or "absent" (no log-probabilities in the answer). It records every call in
+`calls`; `delay` is a fixed latency of every (chat) completion, and `max_active` the most of them it answered
+at once. With a `key`, as llama.cpp and vLLM with theirs, it answers `key_status` (401) to any request without
+"Authorization: Bearer KEY"; `authorizations` holds every request's Authorization header (None: none).
+`redirects` maps a path to a URL that a request to it is redirected to (302)."""
 import json
 import os
 import re
@@ -119,8 +119,8 @@ class FakeOpenAI:
                     return self.reply(400, {"error": {"message": "logit_bias values must be in [-100, 100]"}})
                 if self.path == "/v1/completions":
                     if request.get("logprobs") and fake.logprobs == "error":
-                        return self.reply(500, {"error": {"message": "logprobs is not supported for models created "
-                                                                    "with logits_all=False"}})
+                        return self.reply(500, {"error": {"message": "logprobs is not supported for models "
+                                                                     "created with logits_all=False"}})
                     return self.reply(200, fake.completion(request["prompt"], request.get("logprobs"),
                                                            request.get("logit_bias")))
                 self.reply(200, fake.chat(request["messages"][-1]["content"]))

@@ -1,12 +1,12 @@
 """Reading recorded runs for the offline benchmarks: each message's steps, label, pay and pay weight.
 
-A message's pay weight is what an R of 1 would have paid it under the count normalization: 1 / N^beta summed over
-its steps, N its sightings so far in the episode. It is close to the number of episodes it was seen in, so a message
-on 1% of the steps, seen once an episode, can weigh more than a wall bumped into fifty times an episode. Runs since
-the `firsts` column of messages.tsv record it exactly; for older runs, and runs resumed from an older checkpoint
-(whose column is `firsts_since_resume`), it is estimated from the steps and the run's episodes as if a message's
-sightings fell on episodes at random (Poisson): E * (1 - exp(-steps / E)). That overstates the weight of messages
-that cluster in a few episodes; `exact` says which was used."""
+A message's pay weight is what an R of 1 would have paid it under the count normalization: 1 / N^beta summed
+over its steps, N its sightings so far in the episode. It is close to the number of episodes it was seen in,
+so a message on 1% of the steps, seen once an episode, can weigh more than a wall bumped into fifty times an
+episode. Runs since the `firsts` column of messages.tsv record it exactly; for older runs, and runs resumed
+from an older checkpoint (whose column is `firsts_since_resume`), it is estimated from the steps and the run's
+episodes as if a message's sightings fell on episodes at random (Poisson): E * (1 - exp(-steps / E)). That
+overstates the weight of messages that cluster in a few episodes; `exact` says which was used."""
 import json
 import math
 import os
@@ -29,7 +29,8 @@ class Message:
 
 
 def read_messages(run_dir: str) -> tuple[dict[str, Message], bool]:
-    """{message: Message} of a run's messages.tsv (the empty message left out), and whether weights are exact."""
+    """{message: Message} of a run's messages.tsv (the empty message left out), and whether weights are
+    exact."""
     with open(os.path.join(run_dir, "summary.json")) as f:
         episodes = max(1, json.load(f).get("episodes", 1))
     out, exact = {}, True
@@ -63,8 +64,8 @@ def hand_labels(path: str = LABEL_SETS) -> dict[str, tuple[int, str]]:
 
 
 def llm_labels(*run_dirs: str) -> dict[str, int]:
-    """{caption: label} from the labels.jsonl of runs (captions only, the last answer wins, unknowns left out), read
-    as a resume reads it: a last line that a crash or a running run cut short is skipped."""
+    """{caption: label} from the labels.jsonl of runs (captions only, the last answer wins, unknowns left
+    out), read as a resume reads it: a last line that a crash or a running run cut short is skipped."""
     out = {}
     for run_dir in run_dirs:
         path = os.path.join(run_dir, annotator.LABELS_FILE)

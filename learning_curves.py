@@ -16,10 +16,11 @@ Configurations (steps by default; the first five by default):
     stairs_task, stairs_retrieval, stairs_classification, stairs_ranking, stairs_ellm
                      --task NetHackStaircaseExtendedActions-v1 --reward-type none|...|ellm  1,000,000
 Each run goes to OUT/CONFIG/seedS (console.log holds its output). Runs are resumable: a run whose
-summary.json reached the steps is skipped, one with a checkpoint.pt is continued with --resume.
+summary.json reached the steps is skipped, one with a checkpoint.pt is continued with --resume; a committed
+run (its episodes gzipped, episodes.jsonl.gz, as results/ keeps them) is skipped too.
 Everything after `--` goes verbatim to oni_appo.py. OUT/wall_times.json holds each run's wall time.
 
-Plotting takes config dirs (holding seed*/episodes.jsonl) or run dirs (holding episodes.jsonl).
+Plotting takes config dirs (holding seed*/episodes.jsonl or .gz) or run dirs (holding episodes.jsonl or .gz).
 OUT/curves.png: score, kills, depth, explored and intrinsic return against env steps; per seed the
 episodes' means in 25 equal bins of env steps, per config the mean over seeds (line) and their
 min-max (shaded). OUT/curves.md: per config the last-100-episode means (mean ± std over seeds) and the
@@ -36,6 +37,7 @@ import contextlib
 import fcntl
 import functools
 import glob
+import gzip
 import json
 import os
 import shutil
@@ -80,9 +82,12 @@ WRATH = ("Thou hast angered me", "bolt of lightning", "fry to a crisp", "disinte
 
 
 def run_command(run_dir, task, reward, coef, seed, steps, extra):
-    """The oni_appo.py command for this run dir, or None when it is complete."""
+    """The oni_appo.py command for this run dir, or None when it is complete: its summary reached the steps,
+    or it is committed (its episodes gzipped: oni_appo.py would start a plain episodes.jsonl beside them, and
+    a new summary.json and messages.tsv)."""
     summary = os.path.join(run_dir, "summary.json")
-    if os.path.exists(summary) and read_json(summary).get("env_steps", 0) >= steps:
+    if os.path.exists(os.path.join(run_dir, "episodes.jsonl.gz")) or (
+            os.path.exists(summary) and read_json(summary).get("env_steps", 0) >= steps):
         return None
     if os.path.exists(os.path.join(run_dir, "checkpoint.pt")):
         return [sys.executable, "oni_appo.py", "--resume", run_dir, "--total-env-steps", str(steps), *extra]
@@ -90,6 +95,18 @@ def run_command(run_dir, task, reward, coef, seed, steps, extra):
     if coef is not None:
         command += ["--extrinsic-coef", str(coef)]
     return command + ["--seed", str(seed), "--total-env-steps", str(steps), "--run-dir", run_dir, *extra]
+
+
+def run_file(run_dir, name):
+    """The path of run_dir's file name, or of its gzipped copy where only that is there: results/ keeps
+    episodes.jsonl and messages.tsv gzipped, most of a run's bytes. Without either, the plain name: an error
+    reading it names the file a run writes."""
+    path = os.path.join(run_dir, name)
+    return path + ".gz" if not os.path.exists(path) and os.path.exists(path + ".gz") else path
+
+
+def open_text(path):  # A text file, read through gzip where its name ends in .gz (run_file).
+    return gzip.open(path, "rt") if os.fspath(path).endswith(".gz") else open(path)
 
 
 def read_json(path):  # A file this driver reads, or one `error:` line that names it.
@@ -159,7 +176,7 @@ def run_all(args, extra):
             run_dir = os.path.abspath(os.path.join(args.out, name, f"seed{seed}"))  # oni_appo runs in ROOT
             command = run_command(run_dir, task, reward, coef, seed, steps, extra)
             if command is None:
-                print(f"{name}/seed{seed}: complete ({steps:,} steps), skipped", flush=True)
+                print(f"{name}/seed{seed}: complete ({steps:,} steps, or committed), skipped", flush=True)
                 failures += evaluate_after(run_dir, args.eval_after)
                 continue
             os.makedirs(run_dir, exist_ok=True)
@@ -214,7 +231,8 @@ def load_episodes(path):
     """A file's episodes; older files lack env_steps (-> cumulative steps). A missing intrinsic field or xlvl
     is NaN, left out of means: older files lack them, and a run's last episodes, which end in steps no update
     trained on, have no intrinsic totals."""
-    episodes = [json.loads(line) for line in open(path) if line.strip()]
+    with open_text(path) as f:
+        episodes = [json.loads(line) for line in f if line.strip()]
     cumulative = np.cumsum([e["steps"] for e in episodes])
     for e, steps in zip(episodes, cumulative):
         e.setdefault("env_steps", int(steps))
@@ -223,24 +241,26 @@ def load_episodes(path):
     return sorted(episodes, key=lambda e: e["env_steps"])  # Written as the learner's totals come.
 
 
+def seed_dirs(config_dir):  # Its seed*/ run dirs that hold episodes (plain or gzipped: run_file).
+    return sorted(d for d in glob.glob(os.path.join(config_dir, "seed*"))
+                  if os.path.exists(run_file(d, "episodes.jsonl")))
+
+
 def run_dirs(dirs):
     """{config name: its seeds' run dirs} of config dirs (seed*/episodes.jsonl) or run dirs."""
     runs = {}
     for d in dirs:
         d = os.path.normpath(d)
-        if os.path.exists(os.path.join(d, "episodes.jsonl")):
-            seeds = [d]
-        else:
-            seeds = sorted(os.path.dirname(f) for f in glob.glob(os.path.join(d, "seed*", "episodes.jsonl")))
+        seeds = [d] if os.path.exists(run_file(d, "episodes.jsonl")) else seed_dirs(d)
         if not seeds:
-            raise SystemExit(f"error: no episodes.jsonl in {d} nor in {d}/seed*/")
+            raise SystemExit(f"error: no episodes.jsonl(.gz) in {d} nor in {d}/seed*/")
         runs[os.path.basename(d) if os.path.basename(d) not in runs else d] = seeds
     return runs
 
 
 def load_runs(dirs):
     """{config name: [episodes of each seed]} from config dirs (seed*/episodes.jsonl) or run dirs."""
-    return {name: [load_episodes(os.path.join(d, "episodes.jsonl")) for d in seeds]
+    return {name: [load_episodes(run_file(d, "episodes.jsonl")) for d in seeds]
             for name, seeds in run_dirs(dirs).items()}
 
 
@@ -529,8 +549,7 @@ def main(argv=None):
     if args.num_workers is not None:
         extra = ["--num-workers", str(args.num_workers)] + extra
     failures = run_all(args, extra)
-    dirs = [os.path.join(args.out, n) for n in args.configs
-            if glob.glob(os.path.join(args.out, n, "seed*", "episodes.jsonl"))]
+    dirs = [os.path.join(args.out, n) for n in args.configs if seed_dirs(os.path.join(args.out, n))]
     if dirs:
         report(dirs, args.out, args.figure)
     if failures:

@@ -1,7 +1,7 @@
 """Label throughput: can the annotator keep up with the new messages of a 30k steps/s run?
 
     python benchmarks/label_throughput.py          # latency 2 s; --llm-concurrency 4, then 64; 80 s each
-    python benchmarks/label_throughput.py --concurrency 512 1024 --messages RUN_DIR/messages.tsv
+    python benchmarks/label_throughput.py --concurrency 512 1024 --messages RUN_DIR/messages.tsv  # or .tsv.gz
 
 An LLM server is stood in for by tests/fake_openai.py with a fixed latency per request (--latency,
 2 s: an 8B instruct model reasoning before it answers, on a vLLM that batches all the requests it
@@ -33,17 +33,17 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]  # the method; tests/fake_ope
 
 import annotator  # noqa: E402
 from fake_openai import FakeOpenAI  # noqa: E402
+from learning_curves import open_text, run_file  # noqa: E402
 
 RETRY_S = 60.0  # reward_models.RETRY_S: a message still unanswered after this long is asked again
 WINDOW_S = 60.0  # the goal: labelled within a minute of first sight
-RECORDED = ("results/five_1m/free_retrieval/seed1/messages.tsv",
-            "results/five_1m/free_ranking/seed1/messages.tsv")
+RECORDED = ("results/five_1m/free_retrieval/seed1", "results/five_1m/free_ranking/seed1")  # messages.tsv(.gz)
 
 
 def recorded_messages(path):
-    """(distinct non-empty messages, steps of the run) from a messages.tsv."""
+    """(distinct non-empty messages, steps of the run) from a messages.tsv or its .gz."""
     messages, steps = [], 0
-    with open(path) as f:
+    with open_text(path) as f:
         next(f)
         for line in f:
             message, count = line.rstrip("\n").split("\t")[:2]
@@ -93,7 +93,8 @@ def run(concurrency, messages, rate, seconds, url):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--messages", default=None, help=f"a messages.tsv (default: the first of {RECORDED})")
+    parser.add_argument("--messages", default=None,
+                        help=f"a messages.tsv or its .gz (default: that of the first of {RECORDED})")
     parser.add_argument("--distinct-per-step", type=float, default=0.008,
                         help="the synthetic stream's rate, without a messages.tsv (default: a recorded "
                              "run's)")
@@ -104,8 +105,8 @@ def main():
                         help="--llm-concurrency values")
     parser.add_argument("--seconds", type=float, default=80.0, help="length of each run (> 60)")
     args = parser.parse_args()
-    path = args.messages or next((p for p in (os.path.join(ROOT, r) for r in RECORDED) if os.path.exists(p)),
-                                 None)
+    path = args.messages or next(filter(os.path.exists, (run_file(os.path.join(ROOT, r), "messages.tsv")
+                                                         for r in RECORDED)), None)
     if path:
         messages, steps = recorded_messages(path)
         source = f"{len(messages):,} distinct messages in {steps:,} steps of {os.path.relpath(path, ROOT)}"

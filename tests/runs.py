@@ -6,7 +6,8 @@ so a message on 1% of the steps, seen once an episode, can weigh more than a wal
 episode. Runs since the `firsts` column of messages.tsv record it exactly; for older runs, and runs resumed
 from an older checkpoint (whose column is `firsts_since_resume`), it is estimated from the steps and the run's
 episodes as if a message's sightings fell on episodes at random (Poisson): E * (1 - exp(-steps / E)). That
-overstates the weight of messages that cluster in a few episodes; `exact` says which was used."""
+overstates the weight of messages that cluster in a few episodes; `exact` says which was used. A run's
+messages.tsv may be gzipped (messages.tsv.gz: results/ keeps it so); learning_curves.py reads either."""
 import json
 import math
 import os
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import annotator  # noqa: E402
+from learning_curves import open_text, run_file  # noqa: E402
 LABEL_SETS = os.path.join(ROOT, "label_sets.tsv")
 
 
@@ -34,7 +36,7 @@ def read_messages(run_dir: str) -> tuple[dict[str, Message], bool]:
     with open(os.path.join(run_dir, "summary.json")) as f:
         episodes = max(1, json.load(f).get("episodes", 1))
     out, exact = {}, True
-    with open(os.path.join(run_dir, "messages.tsv")) as f:
+    with open_text(run_file(run_dir, "messages.tsv")) as f:
         header = f.readline().rstrip("\n").split("\t")
         exact = "firsts" in header
         for line in f:
@@ -76,9 +78,10 @@ def llm_labels(*run_dirs: str) -> dict[str, int]:
 
 
 def run_dirs(root: str) -> list[str]:
-    """Every run under root (a directory holding messages.tsv and summary.json), sorted, symlinks followed."""
+    """Every run under root (a directory holding messages.tsv or its .gz, and summary.json), sorted, symlinks
+    followed."""
     found = []
     for here, dirs, files in os.walk(root, followlinks=True):
-        if "messages.tsv" in files and "summary.json" in files:
+        if os.path.exists(run_file(here, "messages.tsv")) and "summary.json" in files:
             found.append(here)
     return sorted(found)

@@ -3,6 +3,8 @@ missing keys, and which oni_appo.py commands the resumable runner builds (no tra
 import json
 import math
 import os
+import shutil
+import subprocess
 import sys
 
 import numpy as np
@@ -151,6 +153,32 @@ def test_how_episodes_end_comes_from_the_recorded_end_and_the_staircase_is_read_
     text = lc.comparisons(runs(stairs_task=[0.1, 0.2], stairs_ranking=[0.5, 0.6], free_none=[0.0, 0.0]))
     lines = [[c.strip() for c in line.strip("|").split("|")] for line in text.strip().splitlines()[2:]]
     assert lines == [["stairs_ranking", "stairs_task", "success", "+0.40", "0.07", "beats", "no"]]
+
+
+def test_a_gzipped_run_reads_as_the_plain_one_and_is_never_run_again(tmp_path, monkeypatch, capsys):
+    """results/ keeps episodes.jsonl gzipped (episodes.jsonl.gz): the tables read it as the plain file, and
+    the runner counts such a committed run complete, whatever its summary says: a resume or a fresh start
+    would write a plain episodes.jsonl beside it, and a new summary and messages over the committed ones."""
+    dirs = synthetic(tmp_path)
+    assert lc.main(["--plot", *dirs, "--out", str(tmp_path / "plain")]) == 0
+    for run_dir in ("cfg/seed1", "cfg/seed2", "run"):
+        subprocess.run(["gzip", "-n", "-9", str(tmp_path / run_dir / "episodes.jsonl")], check=True)
+    assert lc.main(["--plot", *dirs, "--out", str(tmp_path / "gzipped")]) == 0
+    plain = (tmp_path / "plain" / "curves.md").read_text()
+    assert (tmp_path / "gzipped" / "curves.md").read_text() == plain
+
+    out = tmp_path / "out"
+    shutil.copytree(tmp_path / "cfg", out / "free_none")  # summaries of 1 and 2 steps
+    (out / "free_none" / "seed1" / "checkpoint.pt").write_bytes(b"")  # it would be resumed
+    (out / "free_none" / "seed2" / "labels.jsonl").write_text("")  # set aside for a fresh start
+    committed = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    calls = []
+    monkeypatch.setattr(lc, "execute", lambda command, log: calls.append(command) or 0)
+    capsys.readouterr()
+    assert lc.main(["--configs", "free_none", "--seeds", "1", "2", "--out", str(out)]) == 0
+    assert calls == [] and capsys.readouterr().out.count("or committed), skipped") == 2
+    assert {p: p.read_bytes() for p in (out / "free_none").rglob("*") if p.is_file()} == committed
+    assert rows((out / "curves.md").read_text())["free_none"] == dict(rows(plain)["cfg"], config="free_none")
 
 
 def test_execute(tmp_path):

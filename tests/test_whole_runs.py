@@ -18,6 +18,7 @@ import torch
 
 import annotator
 import oni_appo
+import run_files
 from oni_appo import End
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -187,7 +188,7 @@ def test_a_run_dir_is_held_by_one_learner_and_freed_when_it_dies(tmp_path):
     and labels.jsonl. The second gets one line naming the holder; a holder killed with -9 frees the dir."""
     run_dir = tmp_path / "run"
     holder = subprocess.Popen([sys.executable, "-c",
-                               "import oni_appo, sys, time; lock = oni_appo.hold(sys.argv[1]); "
+                               "import run_files, sys, time; lock = run_files.hold(sys.argv[1]); "
                                "print('held', flush=True); time.sleep(600)", str(run_dir)],
                               cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:
@@ -199,7 +200,7 @@ def test_a_run_dir_is_held_by_one_learner_and_freed_when_it_dies(tmp_path):
     finally:
         holder.kill()
         holder.wait()
-    lock = oni_appo.hold(str(run_dir))  # the kernel freed the lock of the killed process
+    lock = run_files.hold(str(run_dir))  # the kernel freed the lock of the killed process
     lock.close()
     (tmp_path / "file").write_text("")
     bad = run([*SMALL_RUN, "--total-env-steps", "1000", "--run-dir", str(tmp_path / "file" / "run")],
@@ -559,12 +560,12 @@ def test_git_state_names_the_commit_and_uncommitted_changes_and_never_fails(tmp_
     git("add", "a.py")
     git("commit", "-q", "-m", "a")
     (repo / "results.txt").write_text("a run's output\n")  # untracked: not a change to the code
-    assert oni_appo.git_state(repo) == (git("rev-parse", "HEAD"), False)
+    assert run_files.git_state(repo) == (git("rev-parse", "HEAD"), False)
     (repo / "a.py").write_text("x = 2\n")
-    assert oni_appo.git_state(repo) == (git("rev-parse", "HEAD"), True)
-    assert oni_appo.git_state(plain) == ("unknown", "unknown")
+    assert run_files.git_state(repo) == (git("rev-parse", "HEAD"), True)
+    assert run_files.git_state(plain) == ("unknown", "unknown")
     monkeypatch.setenv("PATH", "")  # no git at all
-    assert oni_appo.git_state(repo) == ("unknown", "unknown")
+    assert run_files.git_state(repo) == ("unknown", "unknown")
 
 
 def test_a_reward_model_trainer_crash_saves_the_run_and_it_resumes_exactly(tmp_path, monkeypatch, capsys):

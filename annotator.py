@@ -322,6 +322,15 @@ class Labeler:  # A caption or a pair to a label, with one HTTP request to one o
         first, second = (self.scores.get(as_asked(m), UNPARSEABLE) for m in item)
         return UNPARSEABLE if UNPARSEABLE in (first, second) else preference(first, second)
 
+    def worth(self, item, worth) -> float:
+        """A pair's worth is its messages' pay weights, less those whose score this labeler holds (a base
+        model's pair is answered from the scores, each reused free); a caption's, the number it came
+        with."""
+        if not isinstance(worth, tuple | list):
+            return worth
+        return sum(w for message, w in zip(item, worth)
+                   if self.style != "completion" or as_asked(message) not in self.scores)
+
     def ask(self, item, server=0):  # The parsed answer about a caption (str) or a (first, second) pair.
         is_pair = isinstance(item, tuple)
         item = tuple(map(as_asked, item)) if is_pair else as_asked(item)
@@ -385,8 +394,9 @@ def cpu_seconds(pid):  # The CPU time a process (all its threads) has used, from
 class Backlog:
     """What waits to be asked, the most worth first (the oldest of equals): a caption's worth is the pay
     weight it has accrued while unlabelled (the learner's figure), so a message paid often is asked before a
-    rare one seen earlier; a pair's, its messages' pay weights, so that the scores most pairs need come
-    first. Full, it keeps the 90% worth most (a heap, stale entries skipped)."""
+    rare one seen earlier; a pair's, the pay weights of its messages not scored yet (Labeler.worth), so
+    that the scores most pairs need come first. Full, it keeps the 90% worth most (a heap, stale entries
+    skipped)."""
     def __init__(self):
         self.items, self.worth, self.heap, self.order = {}, {}, [], itertools.count()
 
@@ -445,7 +455,7 @@ def serve(*, urls, model, prompts, concurrency, run_dir, known, requests, table,
             if (known := labeler.known(item)) is not UNPARSEABLE:  # A pair of scored messages costs nothing.
                 answered.append(settle(item, known))
             else:
-                counts["dropped"] += backlog.put(key, item, worth)
+                counts["dropped"] += backlog.put(key, item, labeler.worth(item, worth))
 
     def settle(item, value):  # The record of an answer; a final one is not asked again.
         key, pair = item_key(item), isinstance(item, tuple)

@@ -181,9 +181,10 @@ def parse_args(argv=None) -> Args:
     if args.batch_size % slot_steps:
         fail(f"--batch-size ({args.batch_size}) must be a multiple of rollout * num_envs_per_worker / 2"
              f" = {slot_steps}")
-    earlier = [name for name in ("checkpoint.pt", "episodes.jsonl", annotator.LABELS_FILE)
+    earlier = [name for name in ("checkpoint.pt", "episodes.jsonl", "episodes.jsonl.gz",
+                                 annotator.LABELS_FILE)
                if args.resume is None and os.path.exists(os.path.join(args.run_dir, name))]
-    if earlier:  # A fresh start would overwrite its checkpoint and append to its logs.
+    if earlier:  # A fresh start would overwrite its checkpoint and append to its logs (.gz: results/' run).
         remedy = "--resume it, or move them aside" if "checkpoint.pt" in earlier else "move them aside"
         fail(f"--run-dir {args.run_dir} holds a run ({', '.join(earlier)}): {remedy}")
     return args

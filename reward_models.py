@@ -563,11 +563,11 @@ class LabelRequests:
 
     def unanswered(self) -> tuple[dict, dict]:  # What a restarted annotator lost: captions most worth first.
         captions = heapq.nlargest(annotator.MAX_BACKLOG, self.asked, key=self.worth.__getitem__)
-        pairs = itertools.islice(self.waiting, annotator.MAX_BACKLOG)
+        pairs = heapq.nlargest(annotator.MAX_BACKLOG, self.waiting, key=lambda p: sum(self.pair_worth(p)))
         return {t: self.worth[t] for t in captions}, {pair: self.pair_worth(pair) for pair in pairs}
 
-    def pair_worth(self, pair) -> float:  # A judged message's score is reused free: only the others count.
-        return sum(self.worth[text] for text in pair if text not in self.judged)
+    def pair_worth(self, pair) -> tuple:  # Each message's: the annotator knows which scores it holds already.
+        return self.worth[pair[0]], self.worth[pair[1]]
 
     def add_labels(self, records):  # The LLM's answers, --labels-from, or on a resume the run's labels.jsonl.
         self.piece.add_labels(records)  # First: a caption labelled, then unparseable in one call, is done.

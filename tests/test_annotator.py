@@ -362,6 +362,12 @@ def test_the_backlog_is_asked_most_worth_first_and_the_oldest_of_equals_first(tm
     assert asked[3:] == [c for c in rare if c != asked[0]]
 
     monkeypatch.setattr(annotator, "MAX_BACKLOG", 10)  # full: the least worth goes, the most stays
+    labeler = annotator.Labeler(["http://unused"], "m", annotator.PROMPTS, 1.0)
+    pair, worth = ("It's a wall.", "You kill the newt!"), (9.0, 2.0)  # each message's pay weight
+    labeler.style, labeler.scores = "completion", {"It's a wall.": -3.0}  # a base model: a score is reused
+    assert labeler.worth(pair, worth) == 2.0 and labeler.worth("It's a wall.", 5.0) == 5.0
+    labeler.style = "chat"  # an instruct model answers every pair whole: a judged message is no discount
+    assert labeler.worth(pair, worth) == 11.0
     backlog = annotator.Backlog()
     dropped = sum(backlog.put(f"m{i}", f"m{i}", float(i)) for i in range(20))
     assert dropped == 10 and set(backlog.items) == {f"m{i}" for i in range(10, 20)}

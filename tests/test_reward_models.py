@@ -1045,18 +1045,20 @@ def test_an_unlabelled_caption_is_sent_with_the_pay_weight_it_has_accrued_and_a_
     assert requests.unanswered()[0] == pytest.approx({prompt: 2.0, WALL: first[WALL]})
 
 
-def test_a_pair_is_worth_the_pay_weight_of_its_messages_not_judged_yet():
-    """Guards the pairs' order (issue 44): a pair's worth summed both messages, so a pair with a wall hit
-    every episode, already scored and reused free, was asked before a pair of two messages the LLM had never
-    judged."""
+def test_a_pair_is_sent_with_each_message_s_pay_weight_and_a_restart_asks_the_most_worth_first(monkeypatch):
+    """Guards the pairs' order (issue 44): the learner sent a pair's summed worth, so the annotator could not
+    discount a message it had scored already, and a restarted annotator got the oldest waiting pairs."""
+    monkeypatch.setattr(annotator, "MAX_BACKLOG", 1)
     model = rm.IntrinsicReward(make_args(reward_type="ranking"), "cpu")
     requests = model.requests
     model.rewards(*steps_of([(WALL, 9), ("You kill the newt!", 2), ("You see here a ring.", 3)]))
-    model.add_labels([{"pair": [WALL, "You see here a ring."], "preference": 2}])  # both judged now
     requests.pair_pool, requests.batches_to_pair = [WALL, "You kill the newt!"], 1
-    assert set(requests.label_requests()[1].values()) == {2.0}  # the newt's weight only, in either order
-    assert requests.pair_worth(("You kill the newt!", "You see here a ring.")) == 2.0
-    assert requests.pair_worth((WALL, "You see here a ring.")) == 0.0  # answered free by the annotator
+    sent = requests.label_requests()[1]  # asked in either order: each message's own weight
+    assert {frozenset(zip(pair, worth)) for pair, worth in sent.items()} == {
+        frozenset({(WALL, 9.0), ("You kill the newt!", 2.0)})}
+    requests.pair_pool, requests.batches_to_pair = [WALL, "You see here a ring."], 1
+    requests.label_requests()  # waiting: the newt's pair (worth 11), then the ring's (12)
+    assert set(map(frozenset, requests.unanswered()[1])) == {frozenset({WALL, "You see here a ring."})}
 
 
 def test_a_sweep_of_unanswered_captions_is_bounded_and_oldest_first():

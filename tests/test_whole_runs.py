@@ -259,7 +259,8 @@ def test_ctrl_c_twice_still_saves_exits_130_and_a_garbage_episode_line_is_one_er
         resumed.stderr.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("files", [["episodes.jsonl", "labels.jsonl"], ["checkpoint.pt"]])
+@pytest.mark.parametrize("files", [["episodes.jsonl", "labels.jsonl"], ["checkpoint.pt"],
+                                   ["episodes.jsonl.gz"]])  # The last: a run committed to results/.
 def test_a_fresh_start_into_an_earlier_runs_directory_is_refused(files, tmp_path):
     """A run killed before its first checkpoint left its logs: a fresh start appended the new run's labels to
     them (five_1m's Classification seed 3), and one into a finished run's directory would overwrite its

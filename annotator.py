@@ -394,17 +394,24 @@ def cpu_seconds(pid):  # The CPU time a process (all its threads) has used, from
 class Backlog:
     """What waits to be asked, the most worth first (the oldest of equals): a caption's worth is the pay
     weight it has accrued while unlabelled (the learner's figure), so a message paid often is asked before a
-    rare one seen earlier; a pair's, the pay weights of its messages not scored yet (Labeler.worth), so
-    that the scores most pairs need come first. Full, it keeps the 90% worth most (a heap, stale entries
+    rare one seen earlier; a pair's, the pay weights of its messages not scored yet (price: Labeler.worth),
+    so that the scores most pairs need come first. Full, it keeps the 90% worth most (a heap, stale entries
     skipped)."""
-    def __init__(self):
+    def __init__(self, price=lambda item, worth: sum(worth) if isinstance(worth, tuple) else worth):
         self.items, self.worth, self.heap, self.order = {}, {}, [], itertools.count()
+        self.price, self.raw = price, {}  # The worth as sent: a number, or a pair's number a message.
 
     def __len__(self): return len(self.items)
 
     def put(self, key, item, worth=0.0) -> int:  # How many the bound dropped.
-        self.worth[key] = max(worth, self.worth.get(key, 0.0))  # Totals: a lost or late message is harmless.
-        self.items[key] = item
+        # Totals, so the largest sent stands: a lost or late one is harmless. A retry sends 0.0: no news.
+        old = self.raw.get(key)
+        if isinstance(worth, tuple | list):
+            worth = tuple(map(max, old, worth)) if isinstance(old, tuple) else tuple(worth)
+        elif old is not None:
+            worth = old if isinstance(old, tuple) else max(old, worth)
+        self.raw[key], self.items[key] = worth, item
+        self.worth[key] = self.price(item, worth)
         heapq.heappush(self.heap, (-self.worth[key], next(self.order), key))
         if len(self.items) <= MAX_BACKLOG and len(self.heap) <= 4 * MAX_BACKLOG:
             return 0
@@ -419,8 +426,12 @@ class Backlog:
         while self.heap:
             worth, _, key = self.heap[0]
             if key in self.items and -worth == self.worth[key]:
-                return key
-            heapq.heappop(self.heap)  # Asked already, or its worth grew since: a newer entry stands.
+                if (now := self.price(self.items[key], self.raw[key])) >= self.worth[key]:
+                    return key
+                self.worth[key] = now  # A message of the pair was scored since it came: it costs less now.
+                heapq.heappush(self.heap, (-now, next(self.order), key))
+                continue
+            heapq.heappop(self.heap)  # Asked already, or its worth changed since: a newer entry stands.
         return None
 
     def pop(self, key):
@@ -429,6 +440,7 @@ class Backlog:
     def forget(self, key):  # Answered for good, wherever it waits: a pair answered free may still be queued.
         self.items.pop(key, None)
         self.worth.pop(key, None)
+        self.raw.pop(key, None)
 
 
 def serve(*, urls, model, prompts, concurrency, run_dir, known, requests, table, stats, stop, scored,
@@ -438,7 +450,7 @@ def serve(*, urls, model, prompts, concurrency, run_dir, known, requests, table,
     wall time, else the share of wall time with a request in flight."""
     labeler = Labeler(urls, model, prompts, timeout_s, scored, demos, key)
     asking = set()  # The keys in flight: a retry of one must not ask it twice.
-    backlog, attempts, in_flight = Backlog(), collections.Counter(), {}
+    backlog, attempts, in_flight = Backlog(labeler.worth), collections.Counter(), {}
     credit, last_turn = MAX_CREDIT_S * min(share, 1.0), time.time()  # Credit: the work the share allows now.
     last_cpu = server_pid and cpu_seconds(server_pid)
     answered, unknown_until = [], {}  # This turn's answers, written together; when to ask an unknown again.
@@ -455,7 +467,7 @@ def serve(*, urls, model, prompts, concurrency, run_dir, known, requests, table,
             if (known := labeler.known(item)) is not UNPARSEABLE:  # A pair of scored messages costs nothing.
                 answered.append(settle(item, known))
             else:
-                counts["dropped"] += backlog.put(key, item, labeler.worth(item, worth))
+                counts["dropped"] += backlog.put(key, item, worth)
 
     def settle(item, value):  # The record of an answer; a final one is not asked again.
         key, pair = item_key(item), isinstance(item, tuple)
@@ -476,7 +488,7 @@ def serve(*, urls, model, prompts, concurrency, run_dir, known, requests, table,
         fatal = fatal or fatal_reason(error)
     while not stop.is_set() and not fatal:
         with contextlib.suppress(queue.Empty):
-            for items in requests.get(timeout=0.05):  # {caption: worth}, {(first, second): worth}
+            for items in requests.get(timeout=0.05):  # {caption: worth}, {(first, second): (each's)}
                 for item, worth in items.items():
                     enqueue(item, worth)
         now = time.time()

@@ -53,7 +53,7 @@ class Annotator:
 
     def send(self, captions=(), pairs=()):  # as the learner does: each with its worth (0 unless given)
         self.requests.put((captions if isinstance(captions, dict) else dict.fromkeys(captions, 0.0),
-                           {tuple(pair): 0.0 for pair in pairs}))
+                           {tuple(pair): (0.0, 0.0) for pair in pairs}))  # a pair's: a number a message
 
     def wait_for(self, condition, timeout=30.0):
         deadline = time.time() + timeout
@@ -362,16 +362,31 @@ def test_the_backlog_is_asked_most_worth_first_and_the_oldest_of_equals_first(tm
     assert asked[3:] == [c for c in rare if c != asked[0]]
 
     monkeypatch.setattr(annotator, "MAX_BACKLOG", 10)  # full: the least worth goes, the most stays
-    labeler = annotator.Labeler(["http://unused"], "m", annotator.PROMPTS, 1.0)
-    pair, worth = ("It's a wall.", "You kill the newt!"), (9.0, 2.0)  # each message's pay weight
-    labeler.style, labeler.scores = "completion", {"It's a wall.": -3.0}  # a base model: a score is reused
-    assert labeler.worth(pair, worth) == 2.0 and labeler.worth("It's a wall.", 5.0) == 5.0
-    labeler.style = "chat"  # an instruct model answers every pair whole: a judged message is no discount
-    assert labeler.worth(pair, worth) == 11.0
     backlog = annotator.Backlog()
     dropped = sum(backlog.put(f"m{i}", f"m{i}", float(i)) for i in range(20))
     assert dropped == 10 and set(backlog.items) == {f"m{i}" for i in range(10, 20)}
     assert [backlog.pop(backlog.peek()) for _ in range(3)] == ["m19", "m18", "m17"]
+
+
+def test_a_pair_waits_by_the_pay_weight_of_its_messages_not_scored_when_it_is_asked():
+    """Guards issue 44's pair order: a pair was worth both its messages' pay weight, so pairs holding the
+    most common message, already scored (a base model reuses a score free), stayed first in a full backlog
+    though each cost one cheap score; its worth was fixed when it came, never lowered once a message was
+    scored; and an instruct model, which answers every pair whole, must get no such discount."""
+    labeler = annotator.Labeler(["http://unused"], "m", annotator.PROMPTS, 1.0)
+    labeler.style = "completion"  # a base model: a pair's preference comes from its messages' scores
+    backlog = annotator.Backlog(labeler.worth)
+    wall, other = ("It's a wall.", "You kill the newt!"), ("You see here a ring.", "The door opens.")
+    backlog.put(annotator.item_key(wall), wall, (9.0, 1.0))  # each message's pay weight, as the learner sends
+    backlog.put(annotator.item_key(other), other, (3.0, 3.0))
+    assert backlog.peek() == annotator.item_key(wall)  # 10 against 6
+    labeler.scores["It's a wall."] = -3.0  # scored meanwhile, through another pair: nothing is sent again
+    assert backlog.peek() == annotator.item_key(other)  # the wall's pair now costs one score worth 1
+    assert backlog.pop(backlog.peek()) == other and backlog.peek() == annotator.item_key(wall)
+    backlog.put(annotator.item_key(wall), wall, 0.0)  # a retry sends no worth: what it was sent stands
+    assert backlog.worth[annotator.item_key(wall)] == 1.0 and backlog.raw[annotator.item_key(wall)] == (9, 1)
+    labeler.style = "chat"  # an instruct model answers every pair whole: a score in hand is no discount
+    assert labeler.worth(wall, (9.0, 1.0)) == 10.0 and labeler.worth("It's a wall.", 5.0) == 5.0
 
 
 @pytest.mark.parametrize("text,label", [

@@ -322,14 +322,8 @@ class Labeler:  # A caption or a pair to a label, with one HTTP request to one o
         first, second = (self.scores.get(as_asked(m), UNPARSEABLE) for m in item)
         return UNPARSEABLE if UNPARSEABLE in (first, second) else preference(first, second)
 
-    def worth(self, item, worth) -> float:
-        """A pair's worth is its messages' pay weights, less those whose score this labeler holds (a base
-        model's pair is answered from the scores, each reused free); a caption's, the number it came
-        with."""
-        if not isinstance(worth, tuple | list):
-            return worth
-        return sum(w for message, w in zip(item, worth)
-                   if self.style != "completion" or as_asked(message) not in self.scores)
+    def worth(self, item, worth) -> float:  # A base model's pair is answered from scores, each reused free.
+        return item_worth(item, worth, self.scores if self.style == "completion" else {})
 
     def ask(self, item, server=0):  # The parsed answer about a caption (str) or a (first, second) pair.
         is_pair = isinstance(item, tuple)
@@ -391,13 +385,21 @@ def cpu_seconds(pid):  # The CPU time a process (all its threads) has used, from
         return None
 
 
+def item_worth(item, worth, scores=None) -> float:
+    """A caption's worth is the number it came with; a pair's, its messages' pay weights less those of the
+    messages whose score is in hand (scores)."""
+    if not isinstance(worth, tuple | list):
+        return worth
+    return sum(w for message, w in zip(item, worth) if as_asked(message) not in (scores or {}))
+
+
 class Backlog:
     """What waits to be asked, the most worth first (the oldest of equals): a caption's worth is the pay
     weight it has accrued while unlabelled (the learner's figure), so a message paid often is asked before a
     rare one seen earlier; a pair's, the pay weights of its messages not scored yet (price: Labeler.worth),
     so that the scores most pairs need come first. Full, it keeps the 90% worth most (a heap, stale entries
     skipped)."""
-    def __init__(self, price=lambda item, worth: sum(worth) if isinstance(worth, tuple) else worth):
+    def __init__(self, price=item_worth):
         self.items, self.worth, self.heap, self.order = {}, {}, [], itertools.count()
         self.price, self.raw = price, {}  # The worth as sent: a number, or a pair's number a message.
 

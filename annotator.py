@@ -604,10 +604,10 @@ class LabelClient:
             except Fatal as error:
                 raise SystemExit(f"error: --prompt-file {args.prompt_file}: {error}")
 
-    def start(self, run_dir, known):
+    def start(self, run_dir, known, asks="pairs"):  # asks: the reward piece's, "captions" or "pairs".
         self.urls, self.run_dir, self.known = list(self.args.llm_url), run_dir, set(known)
-        # Only Ranking uses a score beyond its label: the rest get the same label faster from a greedy token.
-        self.scored = getattr(self.args, "reward_type", "ranking") == "ranking"
+        # Only pairs use a score beyond its label: captions get the same label faster from a greedy token.
+        self.scored = asks == "pairs"
         self.concurrency = getattr(self.args, "llm_concurrency", None) or (
             URL_CONCURRENCY if self.urls else EMBEDDED_CONCURRENCY)
         self.share = getattr(self.args, "llm_share", None) or (1.0 if self.urls else EMBEDDED_SHARE)

@@ -46,7 +46,7 @@ class Args:
     reward_type: str = "none"
     """intrinsic reward: none | retrieval | classification | ranking (ONI) | ellm | motif (baselines)"""
     seed: int = 1
-    """seed of torch, numpy and of every env's stream of game seeds"""
+    """seed of torch, numpy, every env's stream of game seeds, the action sampling and the reward's draws"""
     total_env_steps: int = 2_000_000_000
     """env steps to train for (the paper: 2e9)"""
     num_workers: int | None = None
@@ -90,7 +90,7 @@ class Args:
     llm_model: str | None = None
     """model name to ask for (default: the first one the server lists)"""
     llm_concurrency: int | None = None
-    """LLM requests in flight (default: 64 for --llm-url servers, which batch them; fewer for the embedded)"""
+    """LLM requests in flight (default: 64 for --llm-url servers, which batch them; 1 for the embedded)"""
     llm_threads: int | None = None
     """CPU threads of the embedded LLM server (default: the cores left over by the env workers, >= 1)"""
     llm_share: float | None = None
@@ -184,7 +184,7 @@ def parse_args(argv=None) -> Args:
     earlier = [name for name in ("checkpoint.pt", "episodes.jsonl", "episodes.jsonl.gz",
                                  annotator.LABELS_FILE)
                if args.resume is None and os.path.exists(os.path.join(args.run_dir, name))]
-    if earlier:  # A fresh start would overwrite its checkpoint and append to its logs (.gz: results/' run).
+    if earlier:  # A fresh start would overwrite its checkpoint and append to its logs (.gz: a committed run).
         remedy = "--resume it, or move them aside" if "checkpoint.pt" in earlier else "move them aside"
         fail(f"--run-dir {args.run_dir} holds a run ({', '.join(earlier)}): {remedy}")
     return args
@@ -201,7 +201,7 @@ def pick_device(name):
 
 # ---------------------------------------- policy ----------------------------------------------------------
 # The agent: an encoder of what it sees, a GRU for memory, and an actor and a critic head.
-CROP = 12  # The paper's crop of the map around the agent.
+CROP, HIDDEN = 12, 512  # The paper's crop of the map around the agent; the GRU's width.
 
 
 def layer_init(layer, std=np.sqrt(2)):
@@ -212,7 +212,7 @@ def layer_init(layer, std=np.sqrt(2)):
 
 class Agent(nn.Module):
     """12x12 crop (char + colour embeddings, two convs), stats, message (MLPs) -> GRU 512 -> actor, critic."""
-    def __init__(self, num_actions=len(envs.ACTIONS), hidden=512):
+    def __init__(self, num_actions=len(envs.ACTIONS), hidden=HIDDEN):
         super().__init__()
         self.char_embed, self.color_embed = nn.Embedding(256, 32), nn.Embedding(16, 32)
         self.crop_net = nn.Sequential(layer_init(nn.Conv2d(32, 64, 3, padding=1)), nn.ELU(),
@@ -227,7 +227,7 @@ class Agent(nn.Module):
         self.gru = nn.GRUCell(hidden, hidden)
         self.actor = layer_init(nn.Linear(hidden, num_actions), std=0.01)
         self.critic = layer_init(nn.Linear(hidden, 1), std=1.0)
-        self.graphs, self.capture = {}, None  # fast_step's CUDA graphs by batch size; their pool, stream.
+        self.graphs, self.capture = {}, None  # fast_step's CUDA graphs by batch size; the pool and stream they share.
 
     def encode(self, obs):
         """obs: chars/colors [N,21,79] uint8, blstats [N,27], message [N,256] -> [N, hidden]."""
@@ -359,7 +359,7 @@ def make_buffers(num_buffers, rollout, n):
         "step_count": shared(rollout, n, dtype=torch.int32), "action": shared(rollout, n, dtype=torch.int64),
         "logprob": shared(rollout, n, dtype=torch.float32), "reward": shared(rollout, n, dtype=torch.float32),
         "end": shared(rollout, n, dtype=torch.int8), "version": shared(rollout, dtype=torch.int64),
-        "h0": shared(n, 512, dtype=torch.float32)}
+        "h0": shared(n, HIDDEN, dtype=torch.float32)}
 
 
 def env_worker(index, task, seed, num_envs, buffers, conn, max_episode_steps=envs.MAX_EPISODE_STEPS):
@@ -609,7 +609,7 @@ class Tally:
     start_learned: int
     updates: collections.deque = field(default_factory=collections.deque)  # Figures of each update, to log.
     losses: dict = field(default_factory=dict)
-    sums: collections.Counter = field(default_factory=collections.Counter)  # This session's (note_update).
+    sums: collections.Counter = field(default_factory=collections.Counter)  # This session's, for the totals.
     start_time: float = field(default_factory=time.time)  # Set again once the acting process runs.
     last_log: float = field(default_factory=time.time)
     last_checkpoint: float = field(default_factory=time.time)
@@ -659,7 +659,7 @@ def set_up(args) -> Run:
     client = annotator.LabelClient(args) if args.reward_type in reward_models.NEEDS_LLM else None
     writer = make_writer(args)
     if client is not None:  # The annotator subprocess and, without --llm-url, the embedded server.
-        client.start(args.run_dir, known=intrinsic.known_keys())
+        client.start(args.run_dir, known=intrinsic.known_keys(), asks=intrinsic.piece.asks)
     intrinsic.start(args.reward_model_share)
     envs_per_slot = args.num_envs_per_worker // 2  # A slot is one half of a worker's envs, stepped together.
     buffers_per_batch = args.batch_size // (args.rollout * envs_per_slot)
@@ -703,12 +703,12 @@ def learn(run):
     torch.set_num_threads(TORCH_THREADS)  # The reward model's trainer thread sets its own: not this thread's.
     while (rollouts := next_batch(run)) is not None:
         batch, step_message, env_ids, lag = take_batch(run, rollouts)
-        started = time.perf_counter()
+        started = time.perf_counter()  # rewards: the env's reward mixed with c_int * R / N^beta (paid).
         rewards, paid, reward_stats = run.intrinsic.rewards(
             batch["reward"], step_message, batch["step_count"], batch["end"] == End.TERMINATED)
         rewarded = time.perf_counter()
         losses = update_policy(run, batch, rewards)
-        if run.client is not None:  # Here labels enter the reward, and captions leave for the LLM.
+        if run.client is not None:  # Labels come in, to pay from the next batch; what to ask goes out.
             run.intrinsic.exchange(run.client, stopping=run.stop.value)
         note_update(run, batch, paid, env_ids, lag, reward_stats, losses, (started, rewarded))
         log_and_save(run)

@@ -21,8 +21,9 @@ import torch.nn.functional as F
 import annotator
 import envs
 
-# As the reference (its newest 100 labels merged, then 32 steps trained): a first fit of BURST steps, then
-# STEPS_PER_LABEL a new label (the classifier 4x), at most BURST at once; from SMALL_SET labels, one a batch.
+# The reference trains 32 steps each time 100 new labels have come. Here a model first trains BURST steps, then
+# owes STEPS_PER_LABEL steps a new label (the classifier 4x), trained in bursts of at most BURST; from SMALL_SET
+# labels on, one step a learner batch.
 SMALL_SET, BURST = 25_000, 32
 STEPS_PER_LABEL = BURST / 100
 PAIR_POOL_EVERY = 10  # With --raw-ranking every 10th step's message enters the pool pairs are drawn from.
@@ -68,9 +69,9 @@ def outputs(model, texts, device):  # Each distinct message is encoded once: min
 
 class MessageEncoder(nn.Module):
     """Bytes of the message -> embedding 32 -> 1-D char-CNN -> 128 features (Motif's encoder)."""
-    def __init__(self, channels=64):
+    def __init__(self):
         super().__init__()
-        self.embed, c = nn.Embedding(256, 32), channels
+        self.embed, c = nn.Embedding(256, 32), 64  # c: channels.
         self.convs = nn.Sequential(
             nn.Conv1d(32, c, 7), nn.ReLU(), nn.MaxPool1d(3), nn.Conv1d(c, c, 7), nn.ReLU(), nn.MaxPool1d(3),
             *[m for _ in range(4) for m in (nn.Conv1d(c, c, 3), nn.ReLU())], nn.MaxPool1d(3), nn.Flatten())
@@ -465,9 +466,7 @@ class IntrinsicReward:
         texts = list(self.seen)
         seen = (texts, np.fromiter(self.seen.values(), np.int64), np.array([self.paid[t] for t in texts]),
                 np.array([self.firsts[t] for t in texts]))
-        # The layout keeps firsts_partial, always False: the pay weights count from the run's first step.
-        return {**self.requests.state_dict(), **self.piece.state_dict(), "firsts_partial": False,
-                "seen": seen}
+        return {**self.requests.state_dict(), **self.piece.state_dict(), "seen": seen}
 
     def load_state_dict(self, state):  # Into a new object, once the run's labels came back from labels.jsonl.
         if state:

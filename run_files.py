@@ -12,10 +12,10 @@ import subprocess
 import warnings
 
 import numpy as np
-import torch
 
 LOCK_FILE = "learner.lock"  # Held by the learner of a run dir (hold).
-LOADABLE = {str, int, float, bool, type(None), torch.Tensor}  # And dicts, lists, tuples: weights_only reads.
+SCALARS = {str, int, float, bool, type(None)}  # With tensors, dicts, lists, tuples: what weights_only reads.
+# Torch is imported where a checkpoint is read or written: the readers of a run's logs need none.
 
 
 def hold(run_dir):
@@ -56,6 +56,7 @@ def rewrite(path, lines):
 
 
 def write_checkpoint(state, path):
+    import torch
     try:
         with replacing(path) as temporary:
             torch.save(loadable(state), temporary)
@@ -67,15 +68,17 @@ def write_checkpoint(state, path):
 
 def loadable(value):
     """value in the types torch.load(weights_only=True) reads, so that a checkpoint cannot run code."""
-    if type(value) in LOADABLE or isinstance(value, torch.Tensor):
+    import torch
+    if type(value) in SCALARS or isinstance(value, torch.Tensor):
         return value
+    kinds = {*SCALARS, torch.Tensor}
     if isinstance(value, np.ndarray):
         return torch.from_numpy(value)
     if isinstance(value, np.generic):
         return value.item()
     if isinstance(value, dict | tuple | list):  # Whole if loadable: quick, and a state_dict keeps _metadata.
         items = (*value, *value.values()) if isinstance(value, dict) else value
-        if type(value) in (dict, collections.OrderedDict, tuple, list) and {*map(type, items)} <= LOADABLE:
+        if type(value) in (dict, collections.OrderedDict, tuple, list) and {*map(type, items)} <= kinds:
             return value
         if isinstance(value, dict):
             return {loadable(k): loadable(v) for k, v in value.items()}
@@ -85,6 +88,7 @@ def loadable(value):
 
 def read_checkpoint(path):
     """The contents, read weights_only: a shared file cannot run code. One that needs pickle is refused."""
+    import torch
     try:
         with warnings.catch_warnings(action="ignore"):  # Torch's warning on pickles: the error says enough.
             return torch.load(path, map_location="cpu", weights_only=True)

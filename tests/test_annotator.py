@@ -19,6 +19,7 @@ import pytest
 
 import annotator
 import llm_server
+import reward_models
 from fake_openai import TOKENS, FakeOpenAI
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -692,8 +693,8 @@ def test_only_ranking_asks_for_log_probabilities(tmp_path, capsys, monkeypatch, 
     fake = FakeOpenAI().start()
     # the likelier answer, yet under THRESHOLD
     fake.margins = {"You kill the grid bug!": annotator.THRESHOLD / 2}
-    client = annotator.LabelClient(client_args(fake.url, reward_type=reward_type))
-    client.start(str(tmp_path), set())
+    client = annotator.LabelClient(client_args(fake.url))
+    client.start(str(tmp_path), set(), asks=reward_models.PIECES[reward_type].asks)
     records, deadline = [], time.time() + 60
     try:
         client.request(dict.fromkeys(CAPTIONS, 0.0), {})

@@ -510,6 +510,8 @@ def test_a_run_split_by_two_resumes_reports_the_totals_of_its_pieces(tmp_path, m
     finally:
         fake.stop()
     assert set(fake.authorizations) == {f"Bearer {fake.key}"} and len(fake.authorizations) > fake.requests > 0
+    # Retrieval's piece asks captions: one greedy token each, never the log-probabilities pairs are scored by
+    assert not any("logprobs" in body for path, body in fake.calls if path.endswith("/completions"))
     for path in (tmp_path / "run").rglob("*"):  # the key is in no file of the run dir, nor in its output
         assert not path.is_file() or fake.key.encode() not in path.read_bytes(), path
     assert fake.key not in outputs

@@ -227,7 +227,8 @@ class Agent(nn.Module):
         self.gru = nn.GRUCell(hidden, hidden)
         self.actor = layer_init(nn.Linear(hidden, num_actions), std=0.01)
         self.critic = layer_init(nn.Linear(hidden, 1), std=1.0)
-        self.graphs, self.capture = {}, None  # fast_step's CUDA graphs by batch size; the pool and stream they share.
+        # fast_step's CUDA graphs by batch size, and the memory pool and stream they share.
+        self.graphs, self.capture = {}, None
 
     def encode(self, obs):
         """obs: chars/colors [N,21,79] uint8, blstats [N,27], message [N,256] -> [N, hidden]."""

@@ -21,9 +21,9 @@ import torch.nn.functional as F
 import annotator
 import envs
 
-# The reference trains 32 steps each time 100 new labels have come. Here a model first trains BURST steps, then
-# owes STEPS_PER_LABEL steps a new label (the classifier 4x), trained in bursts of at most BURST; from SMALL_SET
-# labels on, one step a learner batch.
+# The reference trains 32 steps each time 100 new labels have come. Here a model first trains BURST steps,
+# then owes STEPS_PER_LABEL steps a new label (the classifier 4x), trained in bursts of at most BURST; from
+# SMALL_SET labels on, one step a learner batch.
 SMALL_SET, BURST = 25_000, 32
 STEPS_PER_LABEL = BURST / 100
 PAIR_POOL_EVERY = 10  # With --raw-ranking every 10th step's message enters the pool pairs are drawn from.

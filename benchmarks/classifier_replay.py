@@ -134,7 +134,9 @@ def main():
     sets = [item.split("=", 1) for item in args.set]
     if args.case:
         sys.path.insert(0, args.case)
-        sys.path.insert(1, os.path.join(ROOT, "tests"))  # tests/runs.py
+        # The measured tree's reward_models and annotator, imported before tests/runs.py puts this tree first.
+        import reward_models  # noqa: F401
+        sys.path.insert(1, os.path.join(ROOT, "tests"))
         import runs
         print(json.dumps(replay(args.runs[0], args.seed, sets, args.weigh, args.hand or runs.LABEL_SETS)))
         return

@@ -1,5 +1,7 @@
 """The measurement scripts still run against the code they measure (their figures: benchmarks/README.md)."""
+import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -144,17 +146,21 @@ def test_pipeline_ceiling_measures_the_pipeline_on_a_null_env_shaped_like_the_re
     real.close()
 
 
+def write_classifier_run(path):  # 60 labels, wall-like messages on most steps
+    labels = [(f"You kill the thing {i}!", 1, 3) for i in range(20)] + [
+        (f"It's wall {i}.", 0, 500) for i in range(40)]
+    with open(path / "labels.jsonl", "w") as f:
+        f.writelines(f'{{"caption": "{text}", "label": {label}}}\n' for text, label, _ in labels)
+    with open(path / "messages.tsv", "w") as f:
+        f.write("message\tsteps\tlabel\treward_now\tpaid\tfirsts\n" + "".join(
+            f"{t}\t{n}\t{label}\t0\t0\t{n / 10}\n" for t, label, n in labels))
+    (path / "summary.json").write_text('{"episodes": 10}')
+
+
 def test_classifier_replay_replays_a_run_s_labels_through_the_classifier_and_its_gate(tmp_path):
     """A run dir of 60 labels (wall-like messages on most steps) replayed: the trainer's schedule, a gate
     verdict per burst, and the shares of pay and steps the classifier gives each class of its labels."""
-    labels = [(f"You kill the thing {i}!", 1, 3) for i in range(20)] + [
-        (f"It's wall {i}.", 0, 500) for i in range(40)]
-    with open(tmp_path / "labels.jsonl", "w") as f:
-        f.writelines(f'{{"caption": "{text}", "label": {label}}}\n' for text, label, _ in labels)
-    with open(tmp_path / "messages.tsv", "w") as f:
-        f.write("message\tsteps\tlabel\treward_now\tpaid\tfirsts\n" + "".join(
-            f"{t}\t{n}\t{label}\t0\t0\t{n / 10}\n" for t, label, n in labels))
-    (tmp_path / "summary.json").write_text('{"episodes": 10}')
+    write_classifier_run(tmp_path)
     result = subprocess.run([sys.executable, "benchmarks/classifier_replay.py", str(tmp_path)], cwd=ROOT,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
@@ -167,6 +173,24 @@ def test_classifier_replay_replays_a_run_s_labels_through_the_classifier_and_its
     assert len(shares) == 8 and all(0 <= share <= 1 for share in shares)
     assert shares[0] > 0  # with no console.log the labels are spread evenly (every run average was 0)
     assert "paid most against its label" in result.stdout
+
+
+def test_classifier_replay_s_baseline_side_replays_on_the_baseline_tree_s_code(tmp_path):
+    """tests/runs.py puts this tree first on sys.path: --baseline replayed this tree's reward_models twice.
+    A copy of the method whose bursts are half as long must train half as many steps."""
+    run, tree = tmp_path / "run", tmp_path / "tree"
+    run.mkdir()
+    write_classifier_run(run)
+    shutil.copytree(ROOT, tree, ignore=lambda folder, names: [n for n in names if folder != ROOT or not (
+        n.endswith(".py") or n == "label_sets.tsv")])
+    code = (tree / "reward_models.py").read_text()
+    assert "SMALL_SET, BURST = 25_000, 32" in code
+    (tree / "reward_models.py").write_text(code.replace("BURST = 25_000, 32", "BURST = 25_000, 16"))
+    script = os.path.join(ROOT, "benchmarks", "classifier_replay.py")
+    result = subprocess.run([sys.executable, script, str(run), "--case", str(tree)], cwd=tree,
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads(result.stdout.splitlines()[-1])["model_steps"] == 16 + int(35 * 0.64)
 
 
 def test_learner_time_refuses_a_flag_of_the_other_mode_instead_of_ignoring_it():

@@ -704,7 +704,7 @@ def learn(run):
     torch.set_num_threads(TORCH_THREADS)  # The reward model's trainer thread sets its own: not this thread's.
     while (rollouts := next_batch(run)) is not None:
         batch, step_message, env_ids, lag = take_batch(run, rollouts)
-        started = time.perf_counter()  # rewards: the env's reward mixed with c_int * R / N^beta (paid).
+        started = time.perf_counter()  # rewards = c_ext * clip(env reward) + c_int * paid; paid = R / N^beta.
         rewards, paid, reward_stats = run.intrinsic.rewards(
             batch["reward"], step_message, batch["step_count"], batch["end"] == End.TERMINATED)
         rewarded = time.perf_counter()

@@ -71,7 +71,7 @@ class MessageEncoder(nn.Module):
     """Bytes of the message -> embedding 32 -> 1-D char-CNN -> 128 features (Motif's encoder)."""
     def __init__(self):
         super().__init__()
-        self.embed, c = nn.Embedding(256, 32), 64  # c: channels.
+        self.embed, c = nn.Embedding(256, 32), 64  # c is the convolutions' number of channels.
         self.convs = nn.Sequential(
             nn.Conv1d(32, c, 7), nn.ReLU(), nn.MaxPool1d(3), nn.Conv1d(c, c, 7), nn.ReLU(), nn.MaxPool1d(3),
             *[m for _ in range(4) for m in (nn.Conv1d(c, c, 3), nn.ReLU())], nn.MaxPool1d(3), nn.Flatten())

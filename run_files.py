@@ -14,7 +14,8 @@ import warnings
 import numpy as np
 
 LOCK_FILE = "learner.lock"  # Held by the learner of a run dir (hold).
-SCALARS = {str, int, float, bool, type(None)}  # With tensors, dicts, lists, tuples: what weights_only reads.
+# What torch.load(weights_only=True) reads besides tensors, dicts, lists and tuples.
+SCALARS = {str, int, float, bool, type(None)}
 # Torch is imported where a checkpoint is read or written: the readers of a run's logs need none.
 
 

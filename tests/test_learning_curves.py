@@ -89,6 +89,16 @@ def test_table_and_figure(tmp_path, capsys):
     assert len(png) > 1000 and png[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_tables_and_figures_load_no_torch(tmp_path):
+    """Reading runs needs no torch (it takes seconds to import): run_files imports it only for checkpoints."""
+    code = ("import sys, learning_curves as lc; lc.main(['--plot', *sys.argv[1:]]); "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    result = subprocess.run([sys.executable, "-c", code, *synthetic(tmp_path), "--out", str(tmp_path / "out")],
+                            cwd=lc.ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert (tmp_path / "out" / "curves.md").exists()
+
+
 def test_comparisons_claim_beats_only_beyond_the_larger_std_and_read_seed_overlap(tmp_path):
     def runs(**scores):  # config -> each seed's last-100 score
         return {name: [[{"score": x}] * lc.WINDOW for x in seeds] for name, seeds in scores.items()}

@@ -257,7 +257,7 @@ def test_real_nle_messages_are_labelled_by_the_embedded_server_and_reach_the_lea
         make_args(reward_type="retrieval", intrinsic_coef=1.0, extrinsic_coef=0.0), "cpu")
     client = annotator.LabelClient(model.args)
     # no --llm-url: starts the embedded llama.cpp server
-    client.start(str(tmp_path), known=model.known_keys())
+    client.start(str(tmp_path), known=model.known_keys(), asks=model.piece.asks)
     try:
         rows = rm.to_rows(messages).view(len(messages), 1, 256)
         counts = torch.ones(len(messages), 1, dtype=torch.int32)
@@ -287,7 +287,8 @@ def test_ranking_pairs_are_answered_by_the_embedded_server_with_a_real_preferenc
     model = rm.IntrinsicReward(make_args(reward_type="ranking"), "cpu")
     requests = model.requests  # what the LLM is asked
     client = annotator.LabelClient(model.args)
-    client.start(str(tmp_path), known=model.known_keys())  # no --llm-url: the embedded llama.cpp server
+    # no --llm-url: the embedded llama.cpp server
+    client.start(str(tmp_path), known=model.known_keys(), asks=model.piece.asks)
     try:
         for pool in ([kill, wall], [wall, gold]):  # one pair each, drawn 8 times: asked once
             requests.pair_pool, requests.batches_to_pair = pool, 1

@@ -606,8 +606,7 @@ class Tally:
     pending: list  # Per env, the episodes the workers finished; joined with the next list in the log.
     finished: list  # Per env, the learner's intrinsic totals of them.
     intrinsic_totals: np.ndarray  # Per env, the intrinsic sums of its episode in progress.
-    start_collected: int  # The counts that this session started from.
-    start_learned: int
+    start_steps: int  # This session's first step: a resume collects again from the steps learned.
     updates: collections.deque = field(default_factory=collections.deque)  # Figures of each update, to log.
     losses: dict = field(default_factory=dict)
     sums: collections.Counter = field(default_factory=collections.Counter)  # This session's, for the totals.
@@ -670,8 +669,7 @@ def set_up(args) -> Run:
     pending, finished = ([collections.deque() for _ in range(num_envs)] for _ in range(2))
     tally = Tally(counters=counters, saved_totals=saved_totals, sessions=sessions, pending=pending,
                   finished=finished, intrinsic_totals=np.zeros((num_envs, 3)),
-                  start_collected=counters["collected_steps"],
-                  start_learned=counters["updates"] * args.batch_size)
+                  start_steps=counters["collected_steps"])
     return Run(args=args, device=device, agent=agent, optimizer=optimizer, intrinsic=intrinsic, client=client,
                writer=writer, buffers=buffers, weights=SharedWeights(agent, counters["updates"]),
                envs_per_slot=envs_per_slot, buffers_per_batch=buffers_per_batch, tally=tally, lock=lock)
@@ -861,7 +859,7 @@ def make_writer(args):  # Tensorboard's, in the run dir; with --track, wandb syn
 def log_progress(run, episodes, now):
     """Tensorboard's figures at the collected steps, episodes.jsonl and a line on the console."""
     steps, writer = run.tally.counters["collected_steps"], run.writer
-    sps = (steps - run.tally.start_collected) / (now - run.tally.start_time)
+    sps = (steps - run.tally.start_steps) / (now - run.tally.start_time)
     window = [run.tally.updates.popleft() for _ in range(len(run.tally.updates))]  # Since the last log.
     figures = {k: [u[k] for u in window if k in u] for k in {k for u in window for k in u}}
     figures = {k: max(v) if k.endswith("max") or k.startswith("max") else float(np.mean(v))
@@ -910,7 +908,7 @@ def save(run):  # The checkpoint at the steps learned (a resume collects again t
 def run_totals(run, llm) -> dict:
     """The run's sums: the checkpoint's plus this session's (learner sums, time, steps learned, LLM's)."""
     session = dict(run.tally.sums, wall_time_s=time.time() - run.tally.start_time,
-                   learned_steps=learned_steps(run) - run.tally.start_learned,
+                   learned_steps=learned_steps(run) - run.tally.start_steps,
                    **{f"llm_{k}": llm.get(k, 0) for k in LLM_COUNTS})
     totals = {k: run.tally.saved_totals.get(k, 0) + session.get(k, 0)
               for k in {*run.tally.saved_totals, *session} - {"max_reward"}}
@@ -995,7 +993,7 @@ def finish(run):
     summary = {"env_steps": learned_steps(run), "updates": counters["updates"],
                "episodes": counters["episodes"], "sps": totals["learned_steps"] / totals["wall_time_s"],
                "wall_time_s": totals["wall_time_s"],
-               "session_sps": (counters["collected_steps"] - run.tally.start_collected) / elapsed,
+               "session_sps": (counters["collected_steps"] - run.tally.start_steps) / elapsed,
                "session_wall_time_s": elapsed,
                "policy_lag_mean": totals.get("lag_sum", 0.0) / max(totals.get("lag_steps", 0), 1),
                "intrinsic_max_reward": totals["max_reward"] if totals["max_reward"] > -math.inf else None,

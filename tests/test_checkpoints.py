@@ -47,7 +47,7 @@ def saved_run(tmp_path, reward_type):
     if reward_type in ("classification", "ranking"):
         assert intrinsic.piece.train_now(2, batch_size=8) == 2
     tally = SimpleNamespace(counters={"collected_steps": 640, "updates": 2, "episodes": 1}, saved_totals={},
-                            sums=collections.Counter(max_reward=0.5), start_time=time.time(), start_learned=0,
+                            sums=collections.Counter(max_reward=0.5), start_time=time.time(), start_steps=0,
                             sessions=[oni_appo.run_record(args)])
     return SimpleNamespace(args=args, agent=agent, optimizer=optimizer, intrinsic=intrinsic, client=None,
                            tally=tally)

@@ -622,7 +622,7 @@ def test_a_reward_model_trainer_crash_saves_the_run_and_it_resumes_exactly(tmp_p
     def update_policy(run, batch, rewards):
         if "policy" not in seen:  # the first update
             seen["policy"] = copy.deepcopy((run.agent.state_dict(), run.optimizer.state_dict(),
-                                            dict(run.tally.counters), run.tally.start_collected))
+                                            dict(run.tally.counters), run.tally.start_steps))
             with torch.no_grad():  # acted on by the acting process with the weights it resumed from
                 logits, _ = run.agent.unroll(batch["obs"], batch["h0"], oni_appo.episode_cut(batch["end"]))
                 logp = torch.log_softmax(logits[:-1], -1).gather(-1, batch["action"][..., None]).squeeze(-1)

@@ -58,7 +58,7 @@ def replay(run, seed, sets, weigh, hand_path, top=5):
         *path, attr = name.split(".")
         owner = functools.reduce(getattr, path, rm)
         setattr(owner, attr, type(getattr(owner, attr))(value))
-    messages, _ = runs.read_messages(run)
+    messages = runs.read_messages(run)
     records = [r for r in annotator.read_labels(os.path.join(run, annotator.LABELS_FILE))
                if r.get("label") is not None]
     shown = {r["caption"]: messages.get(" ".join(r["caption"].split()))  # (tsv: spaces folded)

@@ -299,7 +299,7 @@ def cost(rows):
 def check_run(run_dir, sets):
     """A run's own labels (labels.jsonl, as the annotator gave them in the run) against the hand labels of
     every set, per kind, and where the run's pay went (messages.tsv): no LLM is asked."""
-    labels, (messages, _) = runs.llm_labels(run_dir), runs.read_messages(run_dir)
+    labels, messages = runs.llm_labels(run_dir), runs.read_messages(run_dir)
     # the kinds win over old50
     hand = {r.message: r for name in ("old50", "dev", "test", "goal") for r in sets[name]}
     known = [(hand[m], label) for m, label in labels.items() if m in hand]

@@ -27,7 +27,7 @@ COLUMNS = ("LLM helpful", "LLM unhelpful", "never labelled", "hand helpful", "ha
 
 def shares(run_dir, hand, top):
     """(total paid, [the COLUMNS' shares of it], [(message, share)] of the `top` most paid)."""
-    messages, _ = runs.read_messages(run_dir)
+    messages = runs.read_messages(run_dir)
     hand_label = lambda m: hand.get(m, (None,))[0]  # noqa: E731
     cells = runs.pay_shares(messages, dict(zip(COLUMNS, (
         lambda m, v: v.label == 1, lambda m, v: v.label == 0, lambda m, v: v.label is None,

@@ -76,7 +76,7 @@ def pair_sets(run, side, seed, original):
     """The pairs of each way of drawing and answering them; the share of recorded answers the tie changes."""
     records = [r for r in map(json.loads, open(os.path.join(run, "labels.jsonl"))) if "pair" in r]
     tie = [{"pair": r["pair"], "preference": answer(r["pair"], r["preference"], side)} for r in records]
-    messages = {t: m for t, m in runs.read_messages(run)[0].items() if t in side}  # those it can answer
+    messages = {t: m for t, m in runs.read_messages(run).items() if t in side}  # those it can answer
     texts, rng = sorted(messages), random.Random(seed)
 
     def drawn(weights, n):  # as draw_pair(): the second drawn again while it is the first
@@ -168,7 +168,7 @@ def main():
     hand = {t: label for t, (label, _) in runs.hand_labels(args.hand_labels).items()}
     control = collections.Counter()
     for run in [r for r in found if "free_none" in r]:
-        control.update({t: m.steps for t, m in runs.read_messages(run)[0].items()})
+        control.update({t: m.steps for t, m in runs.read_messages(run).items()})
     texts = sorted(control)
     drawn = random.Random(args.seed).choices(texts, [control[t] for t in texts], k=args.sample)
     sample = collections.Counter(drawn)
@@ -184,7 +184,7 @@ def main():
 
 def measure(run, name, hand, side, fixed, args, table, shown):
     """One run's rows of the table: every set of pairs, statistics and rule."""
-    messages, exact = runs.read_messages(run)
+    messages = runs.read_messages(run)
     texts, original = list(messages), originals(args.root)
     steps, weight = (np.array([getattr(messages[t], k) for t in texts], dtype=np.float64)
                      for k in ("steps", "weight"))
@@ -192,8 +192,7 @@ def measure(run, name, hand, side, fixed, args, table, shown):
               "LLM": np.array([-1 if t in hand else side.get(t, -1) for t in texts])}
     for what, label in labels.items():
         print(f"{name}: {what} labels cover {steps[label >= 0].sum() / steps.sum():.1%} of steps, "
-              f"{weight[label >= 0].sum() / weight.sum():.1%} of pay weight "
-              f"({'exact' if exact else 'estimated'})")
+              f"{weight[label >= 0].sum() / weight.sum():.1%} of pay weight")
     sets, changed = pair_sets(run, side, args.seed, original)
     print(f"{name}: {len(sets['recorded'])} pairs; the tie rule changes {changed:.1%} of their answers",
           flush=True)

@@ -3,13 +3,8 @@
 A message's pay weight is what an R of 1 would have paid it under the count normalization: 1 / N^beta summed
 over its steps, N its sightings so far in the episode. It is close to the number of episodes it was seen in,
 so a message on 1% of the steps, seen once an episode, can weigh more than a wall bumped into fifty times an
-episode. Runs since the `firsts` column of messages.tsv record it exactly; for older runs, and runs resumed
-from an older checkpoint (whose column is `firsts_since_resume`), it is estimated from the steps and the run's
-episodes as if a message's sightings fell on episodes at random (Poisson): E * (1 - exp(-steps / E)). That
-overstates the weight of messages that cluster in a few episodes; `exact` says which was used. A run's
-messages.tsv may be gzipped (messages.tsv.gz: results/ keeps it so); learning_curves.py reads either."""
-import json
-import math
+episode: messages.tsv's `firsts` column. A run's messages.tsv may be gzipped (messages.tsv.gz: results/ keeps
+it so); learning_curves.py reads either."""
 import os
 import sys
 from dataclasses import dataclass
@@ -27,27 +22,21 @@ class Message:
     label: int | None  # the run's LLM label, None if never labelled
     reward_now: float
     paid: float
-    weight: float  # the pay weight: firsts, exact or estimated
+    weight: float  # the pay weight: the `firsts` column
 
 
-def read_messages(run_dir: str) -> tuple[dict[str, Message], bool]:
-    """{message: Message} of a run's messages.tsv (the empty message left out), and whether weights are
-    exact."""
-    with open(os.path.join(run_dir, "summary.json")) as f:
-        episodes = max(1, json.load(f).get("episodes", 1))
-    out, exact = {}, True
+def read_messages(run_dir: str) -> dict[str, Message]:
+    """{message: Message} of a run's messages.tsv, the empty message left out."""
+    out = {}
     with open_text(run_file(run_dir, "messages.tsv")) as f:
         header = f.readline().rstrip("\n").split("\t")
-        exact = "firsts" in header
         for line in f:
             row = dict(zip(header, line.rstrip("\n").split("\t")))
-            if row["message"] == "(none)":
-                continue
-            steps = int(row["steps"])
-            weight = float(row["firsts"]) if exact else episodes * (1 - math.exp(-steps / episodes))
-            out[row["message"]] = Message(steps, int(row["label"]) if row["label"] else None,
-                                          float(row["reward_now"]), float(row["paid"]), weight)
-    return out, exact
+            if row["message"] != "(none)":
+                label = int(row["label"]) if row["label"] else None
+                out[row["message"]] = Message(int(row["steps"]), label, float(row["reward_now"]),
+                                              float(row["paid"]), float(row["firsts"]))
+    return out
 
 
 def pay_shares(messages: dict[str, Message], kinds: dict) -> dict[str, float]:

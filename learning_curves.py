@@ -253,6 +253,13 @@ def load_runs(dirs):
             for name, seeds in run_dirs(dirs).items()}
 
 
+def load_evaluations(dirs):
+    """{config name: [evaluated episodes of each seed]} for the configs whose every seed has its eval.json."""
+    paths = {name: [os.path.join(d, "eval.json") for d in seeds] for name, seeds in run_dirs(dirs).items()}
+    return {name: [read_json(p)["episodes"] for p in files] for name, files in paths.items()
+            if all(os.path.exists(p) for p in files)}
+
+
 def commits(run_dir):
     """The commits of a run's sessions as its summary.json records them, in order, each once (short; "+" where
     the code had uncommitted changes); "not recorded" for a run before the record or with no summary yet."""
@@ -310,7 +317,7 @@ def table(runs, made):
                "score / 1,000 steps": lambda s: 1000 * sum(score(s)) / steps(s),
                "kills / 1,000 steps": lambda s: 1000 * sum(e["kills"] for e in s) / steps(s),
                "steps": lambda s: mean([e["steps"] for e in s]),
-               "success": lambda s: mean([e.get("success", float("nan")) for e in s])}
+               "success %": lambda s: 100 * mean([e.get("success", float("nan")) for e in s])}
     reached = {"depth": lambda s: mean([e["depth"] for e in s]),
                "Dlvl ≥ 2 %": lambda s: share(s, "depth", 2),
                "Dlvl ≥ 3 %": lambda s: share(s, "depth", 3),
@@ -344,8 +351,9 @@ def table(runs, made):
     return "\n\n".join("\n".join(t) for t in (first, second, third)) + "\n"
 
 
-def comparisons(runs):
-    """Markdown table: each config's last-100 mean against the baselines of its task (BASELINES: the score
+def comparisons(runs, window=WINDOW):
+    """Markdown table: each config's mean over its last `window` episodes (None: all, as for the evaluated
+    games) against the baselines of its task (BASELINES: the score
     against the control and the score-trained agent; the Staircase's success rate against its task reward
     alone; a baseline is not compared back with the control), read by the rule the results are read with:
     "beats" only where the gap of the means exceeds the larger sample std over seeds (ddof 1: the main table's
@@ -355,20 +363,21 @@ def comparisons(runs):
     lines = ["| config | against | measure | gap of means | larger std (ddof 1) | reading | seeds overlap |",
              "|---" * 7 + "|"]
     for reference, (measure, prefix) in BASELINES.items():
-        value = {name: [np.mean([e.get(measure, np.nan) for e in s[-WINDOW:]]) for s in seeds]
-                 for name, seeds in runs.items() if name.startswith(prefix)}
+        scale, label = (100, "success %") if measure == "success" else (1, measure)  # As in the tables.
+        value = {name: [scale * np.mean([e.get(measure, np.nan) for e in s[-(window or len(s)):]])
+                        for s in seeds] for name, seeds in runs.items() if name.startswith(prefix)}
         for name, a in value.items():
             if reference not in value or name in (reference, "free_none"):  # the control: not compared back
                 continue
             b, gap = value[reference], np.mean(value[name]) - np.mean(value[reference])
             if min(len(a), len(b)) < 2:
-                lines.append(f"| {name} | {reference} | {measure} | {gap:+.2f} | — | no claim (one seed) "
+                lines.append(f"| {name} | {reference} | {label} | {gap:+.2f} | — | no claim (one seed) "
                              "| — |")
                 continue
             std = max(np.std(a, ddof=1), np.std(b, ddof=1))
             reading = "beats" if gap > std else "below" if -gap > std else "within the std"
             overlap = "no" if min(a) > max(b) or max(a) < min(b) else "yes"
-            lines.append(f"| {name} | {reference} | {measure} | {gap:+.2f} | {std:.2f} | {reading} "
+            lines.append(f"| {name} | {reference} | {label} | {gap:+.2f} | {std:.2f} | {reading} "
                          f"| {overlap} |")
     return "\n".join(lines) + "\n" if len(lines) > 2 else ""
 
@@ -426,9 +435,10 @@ def report(dirs, out, figure):
     figure = figure or os.path.join(out, "curves.png")
     made = {name: [commits(d) for d in seeds] for name, seeds in run_dirs(dirs).items()}
     plot(runs, figure)
-    against = comparisons(runs)
-    text = table(runs, made) + (f"\nLast-{WINDOW} score against the baselines:\n\n{against}"
-                                if against else "")
+    against, evaluated = comparisons(runs), comparisons(load_evaluations(dirs), window=None)
+    text = table(runs, made)
+    text += f"\nThe last {WINDOW} episodes of training against the baselines:\n\n{against}" if against else ""
+    text += f"\nThe evaluated games against the baselines:\n\n{evaluated}" if evaluated else ""
     with open(markdown, "w") as f:
         f.write(text)
     print(text + f"figure: {figure}; table: {markdown}")
@@ -454,7 +464,7 @@ def evaluate(dirs, episodes, record=False):
     first episode's replay); returns one markdown table of the means +- std over episodes, and a line for each
     evaluate.py that failed (its output is in RUN/eval.log)."""
     rows = ["| run | policy | episodes | score | kills | depth | explored | steps | median score "
-            "| score / 1,000 steps | success | Dlvl ≥ 2 % | experience level | XL ≥ 2 % | "
+            "| score / 1,000 steps | success % | Dlvl ≥ 2 % | experience level | XL ≥ 2 % | "
             + " | ".join(f"{end} %" for end in ENDS) + " |", "|---" * (14 + len(ENDS)) + "|"]
     failures = []
     run_dirs = sorted(d for path in dirs for d in glob.glob(os.path.join(path, "seed*")) or [path])
@@ -491,7 +501,7 @@ def evaluate(dirs, episodes, record=False):
                 kinds = [end_kind(e) for e in results]
                 cells += [f"{np.median([e['score'] for e in results]):.1f}",
                           f"{1000 * sum(e['score'] for e in results) / sum(e['steps'] for e in results):.1f}",
-                          f"{mean([e.get('success', np.nan) for e in results]):.2f}",
+                          f"{100 * mean([e.get('success', np.nan) for e in results]):.1f}",
                           f"{share(results, 'depth', 2):.1f}",
                           f"{mean([e.get('xlvl', np.nan) for e in results]):.2f}",
                           f"{share(results, 'xlvl', 2):.1f}"]

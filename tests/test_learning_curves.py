@@ -133,6 +133,17 @@ def test_comparisons_claim_beats_only_beyond_the_larger_std_and_read_seed_overla
                     str(tmp_path / "out")]) == 0
     written = open(tmp_path / "out" / "curves.md").read().split("\n\n")
     assert readings(written[-1]) == {("free_ranking", "free_none"): ["+53.50", "7.07", "beats", "no"]}
+    # The evaluated games are read by the same rule, all of them (not the last 100), once every seed has them.
+    for config, scores in {"free_none": [3, 3], "free_ranking": [[4] * 150 + [9] * 50, [4] * 200]}.items():
+        for seed, score in enumerate(scores, 1):
+            games = [{"score": x} for x in (score if isinstance(score, list) else [score] * 200)]
+            (tmp_path / config / f"seed{seed}" / "eval.json").write_text(json.dumps({"episodes": games}))
+            assert lc.main(["--plot", str(tmp_path / "free_none"), str(tmp_path / "free_ranking"), "--out",
+                            str(tmp_path / "out")]) == 0
+            written = open(tmp_path / "out" / "curves.md").read().split("\n\n")
+            evaluated = "The evaluated games against the baselines:" in written[-2]
+            assert evaluated == (config == "free_ranking" and seed == 2)  # Not before every seed has its own.
+    assert readings(written[-1]) == {("free_ranking", "free_none"): ["+1.62", "0.88", "beats", "no"]}
 
 
 def test_how_episodes_end_comes_from_the_recorded_end_and_the_staircase_is_read_by_success(tmp_path):
@@ -162,7 +173,7 @@ def test_how_episodes_end_comes_from_the_recorded_end_and_the_staircase_is_read_
                 for name, seeds in success.items()}
     text = lc.comparisons(runs(stairs_task=[0.1, 0.2], stairs_ranking=[0.5, 0.6], free_none=[0.0, 0.0]))
     lines = [[c.strip() for c in line.strip("|").split("|")] for line in text.strip().splitlines()[2:]]
-    assert lines == [["stairs_ranking", "stairs_task", "success", "+0.40", "0.07", "beats", "no"]]
+    assert lines == [["stairs_ranking", "stairs_task", "success %", "+40.00", "7.07", "beats", "no"]]
 
 
 def test_a_gzipped_run_reads_as_the_plain_one_and_is_never_run_again(tmp_path, monkeypatch, capsys):

@@ -25,8 +25,10 @@ OUT/curves.png: score, kills, depth, explored and intrinsic return against env s
 episodes' means in 25 equal bins of env steps, per config the mean over seeds (line) and their
 min-max (shaded). OUT/curves.md: per config the last-100-episode means (mean ± std over seeds) and the
 commits that made each seed (its summary.json's sessions; "+": with uncommitted changes); below it, each
-config's score against the control and the score-trained agent: "beats" only beyond the larger std (ddof 1)
-over seeds, and whether the seeds overlap.
+config against its baselines (on the Score task its score against the control and the score-trained agent, on
+the Staircase its success in percent against the task reward alone), over the last 100 episodes of training
+and, once every seed has its eval.json, over all the evaluated games: "beats" only beyond the larger std
+(ddof 1) over seeds, and whether the seeds overlap.
 --eval-after N evaluates each run as soon as it is complete (and a complete one not yet evaluated), while its
 checkpoint, which is not committed, is still there. --eval --record also writes the replay of each run's first
 evaluated episode (evaluate.py --record) to RUN/replay and RUN/replay_random: episode0.html and NLE's
@@ -353,8 +355,8 @@ def table(runs, made):
 
 def comparisons(runs, window=WINDOW):
     """Markdown table: each config's mean over its last `window` episodes (None: all, as for the evaluated
-    games) against the baselines of its task (BASELINES: the score
-    against the control and the score-trained agent; the Staircase's success rate against its task reward
+    games) against the baselines of its task (BASELINES: the score against the control and the score-trained
+    agent; the Staircase's success rate against its task reward
     alone; a baseline is not compared back with the control), read by the rule the results are read with:
     "beats" only where the gap of the means exceeds the larger sample std over seeds (ddof 1: the main table's
     ± is ddof 0, which understates the spread of 2-3 seeds), "below" where it falls short by more than it,
@@ -364,8 +366,9 @@ def comparisons(runs, window=WINDOW):
              "|---" * 7 + "|"]
     for reference, (measure, prefix) in BASELINES.items():
         scale, label = (100, "success %") if measure == "success" else (1, measure)  # As in the tables.
-        value = {name: [scale * np.mean([e.get(measure, np.nan) for e in s[-(window or len(s)):]])
-                        for s in seeds] for name, seeds in runs.items() if name.startswith(prefix)}
+        last = (lambda s: s) if window is None else (lambda s: s[-window:])
+        value = {name: [scale * np.mean([e.get(measure, np.nan) for e in last(s)]) for s in seeds]
+                 for name, seeds in runs.items() if name.startswith(prefix)}
         for name, a in value.items():
             if reference not in value or name in (reference, "free_none"):  # the control: not compared back
                 continue
@@ -409,6 +412,7 @@ def plot(runs, path):
     for ax, metric in zip(axes.flat, metrics):
         for k, (name, seeds) in enumerate(runs.items()):
             x, means = binned(seeds, metric)
+            means *= 100 if metric == "success" else 1  # In percent, as in the tables.
             color, label = f"C{k}", f"{name} ({len(seeds)} seed{'s' * (len(seeds) > 1)})"
             with warnings.catch_warnings():  # bins no seed reached are NaN: gaps in the line
                 warnings.simplefilter("ignore", RuntimeWarning)
@@ -416,7 +420,7 @@ def plot(runs, path):
                 if len(seeds) > 1:
                     ax.fill_between(x, np.nanmin(means, axis=0), np.nanmax(means, axis=0), color=color,
                                     alpha=0.2)
-        ax.set_title({"steps": "episode steps", "success": "success (share of episodes)"}.get(
+        ax.set_title({"steps": "episode steps", "success": "success (% of episodes)"}.get(
             metric, metric.replace("_", " ")))
         ax.set_xlabel("env steps")
         ax.grid(alpha=0.3)
@@ -435,10 +439,13 @@ def report(dirs, out, figure):
     figure = figure or os.path.join(out, "curves.png")
     made = {name: [commits(d) for d in seeds] for name, seeds in run_dirs(dirs).items()}
     plot(runs, figure)
-    against, evaluated = comparisons(runs), comparisons(load_evaluations(dirs), window=None)
+    evaluations = load_evaluations(dirs)
+    against, evaluated = comparisons(runs), comparisons(evaluations, window=None)
+    games = "/".join(map(str, sorted({len(g) for seeds in evaluations.values() for g in seeds})))
     text = table(runs, made)
     text += f"\nThe last {WINDOW} episodes of training against the baselines:\n\n{against}" if against else ""
-    text += f"\nThe evaluated games against the baselines:\n\n{evaluated}" if evaluated else ""
+    if evaluated:
+        text += f"\nThe evaluated games ({games} a seed) against the baselines:\n\n{evaluated}"
     with open(markdown, "w") as f:
         f.write(text)
     print(text + f"figure: {figure}; table: {markdown}")

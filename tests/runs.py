@@ -30,6 +30,9 @@ def read_messages(run_dir: str) -> dict[str, Message]:
     out = {}
     with open_text(run_file(run_dir, "messages.tsv")) as f:
         header = f.readline().rstrip("\n").split("\t")
+        if "firsts" not in header:  # A set brought back from git from before the column (free_1m_rerun).
+            raise SystemExit(f"error: {run_dir}/messages.tsv has no firsts column (a run older than the "
+                             "column): read it with tests/runs.py from e76273f^, which estimates it")
         for line in f:
             row = dict(zip(header, line.rstrip("\n").split("\t")))
             if row["message"] != "(none)":

@@ -93,8 +93,8 @@ def test_tables_and_figures_load_no_torch(tmp_path):
     """Reading runs needs no torch (it takes seconds to import): run_files imports it only for checkpoints."""
     code = ("import sys, learning_curves as lc; lc.main(['--plot', *sys.argv[1:]]); "
             "assert 'torch' not in sys.modules, 'torch was imported'")
-    result = subprocess.run([sys.executable, "-c", code, *synthetic(tmp_path), "--out", str(tmp_path / "out")],
-                            cwd=lc.ROOT, capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, "-c", code, *synthetic(tmp_path), "--out",
+                             str(tmp_path / "out")], cwd=lc.ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert (tmp_path / "out" / "curves.md").exists()
 
@@ -134,16 +134,16 @@ def test_comparisons_claim_beats_only_beyond_the_larger_std_and_read_seed_overla
     written = open(tmp_path / "out" / "curves.md").read().split("\n\n")
     assert readings(written[-1]) == {("free_ranking", "free_none"): ["+53.50", "7.07", "beats", "no"]}
     # The evaluated games are read by the same rule, all of them (not the last 100), once every seed has them.
-    for config, scores in {"free_none": [3, 3], "free_ranking": [[4] * 150 + [9] * 50, [4] * 200]}.items():
+    for config, scores in {"free_none": [3, 3], "free_ranking": [[4] * 140 + [9] * 60, [4] * 200]}.items():
         for seed, score in enumerate(scores, 1):
             games = [{"score": x} for x in (score if isinstance(score, list) else [score] * 200)]
             (tmp_path / config / f"seed{seed}" / "eval.json").write_text(json.dumps({"episodes": games}))
             assert lc.main(["--plot", str(tmp_path / "free_none"), str(tmp_path / "free_ranking"), "--out",
                             str(tmp_path / "out")]) == 0
             written = open(tmp_path / "out" / "curves.md").read().split("\n\n")
-            evaluated = "The evaluated games against the baselines:" in written[-2]
+            evaluated = "The evaluated games (200 a seed) against the baselines:" in written[-2]
             assert evaluated == (config == "free_ranking" and seed == 2)  # Not before every seed has its own.
-    assert readings(written[-1]) == {("free_ranking", "free_none"): ["+1.62", "0.88", "beats", "no"]}
+    assert readings(written[-1]) == {("free_ranking", "free_none"): ["+1.75", "1.06", "beats", "no"]}
 
 
 def test_how_episodes_end_comes_from_the_recorded_end_and_the_staircase_is_read_by_success(tmp_path):

@@ -313,7 +313,8 @@ def table(runs, made):
     """Markdown tables, means over each seed's last 100 episodes, then 'mean ± std' across seeds: per episode
     and per step, with the commits that made each seed (made: {config: [commits() of each seed]}, "/" between
     seeds); what the agents reached (depth and experience level, shares reaching 2 and 3); and how the whole
-    run's episodes ended, in percent (from the recorded end; "not recorded" for runs from before it)."""
+    run's episodes ended, in percent (from the recorded end; "not recorded" for runs from before it), with the
+    run's successes per million steps."""
     score, steps = (lambda s: [e["score"] for e in s]), (lambda s: sum(e["steps"] for e in s))
     columns = {"score": lambda s: mean(score(s)), "median score": lambda s: np.median(score(s)),
                "score / 1,000 steps": lambda s: 1000 * sum(score(s)) / steps(s),
@@ -336,8 +337,8 @@ def table(runs, made):
              "|---" * (len(columns) + 6) + "|"]
     second = ["| config | " + " | ".join(map(title, reached)) + " |",
               "|---" * (len(reached) + 1) + "|"]
-    third = ["| config | episodes (whole run) | " + " | ".join(f"{end} %" for end in ENDS) + " |",
-             "|---" * (len(ENDS) + 2) + "|"]
+    third = ["| config | episodes (whole run) | " + " | ".join(f"{end} %" for end in ENDS)
+             + " | successes / 1M steps |", "|---" * (len(ENDS) + 3) + "|"]
     for name, seeds in runs.items():
         env_steps = min(s[-1]["env_steps"] for s in seeds)
         first.append(f"| {name} | {len(seeds)} | {env_steps:,} | "
@@ -349,7 +350,11 @@ def table(runs, made):
         ends = [[end_kind(e) for e in s] for s in seeds]
         cells = (["not recorded"] * len(ENDS) if any(None in kinds for kinds in ends) else
                  [across_seeds([100 * kinds.count(end) / len(kinds) for kinds in ends]) for end in ENDS])
-        third.append(f"| {name} | {across_seeds([len(s) for s in seeds])} | " + " | ".join(cells) + " |")
+        # Per step, not per episode: an agent that lives longer has fewer episodes to succeed in.
+        per_step = across_seeds([1e6 * sum(e.get("success", 0) for e in s) / s[-1]["env_steps"]
+                                 for s in seeds])
+        third.append(f"| {name} | {across_seeds([len(s) for s in seeds])} | " + " | ".join(cells)
+                     + f" | {per_step} |")
     return "\n\n".join("\n".join(t) for t in (first, second, third)) + "\n"
 
 

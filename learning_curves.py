@@ -262,6 +262,14 @@ def load_evaluations(dirs):
             if all(os.path.exists(p) for p in files)}
 
 
+def without_success(run_dir):
+    """Whether the run's task has no success to count (the Score task, as its summary.json's last session
+    says): its success columns print "—", not a zero that reads as measured."""
+    path = os.path.join(run_dir, "summary.json")
+    sessions = read_json(path).get("sessions", []) if os.path.exists(path) else []
+    return bool(sessions) and sessions[-1].get("flags", {}).get("task", "").startswith("NetHackScore")
+
+
 def commits(run_dir):
     """The commits of a run's sessions as its summary.json records them, in order, each once (short; "+" where
     the code had uncommitted changes); "not recorded" for a run before the record or with no summary yet."""
@@ -309,12 +317,12 @@ def share(episodes, key, level):
     return float("nan") if np.isnan(values).any() else 100 * np.mean(values >= level)
 
 
-def table(runs, made):
+def table(runs, made, unsuccessful=frozenset()):
     """Markdown tables, means over each seed's last 100 episodes, then 'mean ± std' across seeds: per episode
     and per step, with the commits that made each seed (made: {config: [commits() of each seed]}, "/" between
     seeds); what the agents reached (depth and experience level, shares reaching 2 and 3); and how the whole
     run's episodes ended, in percent (from the recorded end; "not recorded" for runs from before it), with the
-    run's successes per million steps."""
+    run's successes per million steps ("—" for the configs in `unsuccessful`, whose task has no success)."""
     score, steps = (lambda s: [e["score"] for e in s]), (lambda s: sum(e["steps"] for e in s))
     columns = {"score": lambda s: mean(score(s)), "median score": lambda s: np.median(score(s)),
                "score / 1,000 steps": lambda s: 1000 * sum(score(s)) / steps(s),
@@ -341,8 +349,10 @@ def table(runs, made):
              + " | successes / 1M steps |", "|---" * (len(ENDS) + 3) + "|"]
     for name, seeds in runs.items():
         env_steps = min(s[-1]["env_steps"] for s in seeds)
+        none = name in unsuccessful
         first.append(f"| {name} | {len(seeds)} | {env_steps:,} | "
-                     + " | ".join(per_seed(seeds, f) for f in columns.values())
+                     + " | ".join("—" if none and c.startswith("success") else per_seed(seeds, f)
+                                  for c, f in columns.items())
                      + f" | {across_seeds([np.mean(score(s[:WINDOW])) for s in seeds])}"
                      + f" | {across_seeds([best_window(score(s)) for s in seeds])}"
                      + f" | {' / '.join(made[name])} |")
@@ -351,8 +361,8 @@ def table(runs, made):
         cells = (["not recorded"] * len(ENDS) if any(None in kinds for kinds in ends) else
                  [across_seeds([100 * kinds.count(end) / len(kinds) for kinds in ends]) for end in ENDS])
         # Per step, not per episode: an agent that lives longer has fewer episodes to succeed in.
-        per_step = across_seeds([1e6 * sum(e.get("success", 0) for e in s) / s[-1]["env_steps"]
-                                 for s in seeds])
+        per_step = "—" if none else across_seeds(
+            [1e6 * sum(e.get("success", 0) for e in s) / max(steps(s), 1) for s in seeds])
         third.append(f"| {name} | {across_seeds([len(s) for s in seeds])} | " + " | ".join(cells)
                      + f" | {per_step} |")
     return "\n\n".join("\n".join(t) for t in (first, second, third)) + "\n"
@@ -443,11 +453,12 @@ def report(dirs, out, figure):
     runs, markdown = load_runs(dirs), os.path.join(out, "curves.md")
     figure = figure or os.path.join(out, "curves.png")
     made = {name: [commits(d) for d in seeds] for name, seeds in run_dirs(dirs).items()}
+    unsuccessful = {name for name, seeds in run_dirs(dirs).items() if all(map(without_success, seeds))}
     plot(runs, figure)
     evaluations = load_evaluations(dirs)
     against, evaluated = comparisons(runs), comparisons(evaluations, window=None)
     games = "/".join(map(str, sorted({len(g) for seeds in evaluations.values() for g in seeds})))
-    text = table(runs, made)
+    text = table(runs, made, unsuccessful)
     text += f"\nThe last {WINDOW} episodes of training against the baselines:\n\n{against}" if against else ""
     if evaluated:
         text += f"\nThe evaluated games ({games} a seed) against the baselines:\n\n{evaluated}"
@@ -513,6 +524,7 @@ def evaluate(dirs, episodes, record=False):
                 kinds = [end_kind(e) for e in results]
                 cells += [f"{np.median([e['score'] for e in results]):.1f}",
                           f"{1000 * sum(e['score'] for e in results) / sum(e['steps'] for e in results):.1f}",
+                          "—" if without_success(run_dir) else
                           f"{100 * mean([e.get('success', np.nan) for e in results]):.1f}",
                           f"{share(results, 'depth', 2):.1f}",
                           f"{mean([e.get('xlvl', np.nan) for e in results]):.2f}",

@@ -167,12 +167,24 @@ def test_how_episodes_end_comes_from_the_recorded_end_and_the_staircase_is_read_
     ends = rows(open(tmp_path / "out" / "curves.md").read(), 2)["stairs_x"]
     # seeds: 50% and 100%
     assert ends["starvation %"] == "75.00 ± 25.00" and ends["killed %"] == "12.50 ± 12.50"
-    for seed, successes in ((1, [1, 0, 1, 0]), (2, [1, 1])):  # 2 in 1M steps, 2 in 0.5M: per step, 2 and 4
+    # Seed 1 succeeds twice in 1M steps, seed 2 twice in 0.5M: per step they differ (2 and 4 a million steps),
+    # per episode they would not. The steps are the episodes' own: env_steps also counts the other envs'
+    # episodes still going (here twice as many). A Score run's success columns say "—": no success to count.
+    for seed, successes in ((1, [1, 0, 1, 0]), (2, [1, 1])):
         write_episodes(tmp_path / "stairs_y" / f"seed{seed}" / "episodes.jsonl",
-                       [dict(base, success=x, env_steps=250_000 * (i + 1)) for i, x in enumerate(successes)])
-    assert lc.main(["--plot", str(tmp_path / "stairs_y"), "--out", str(tmp_path / "out")]) == 0
-    per_step = rows(open(tmp_path / "out" / "curves.md").read(), 2)["stairs_y"]["successes / 1M steps"]
-    assert per_step == "3.00 ± 1.00"
+                       [dict(base, success=x, steps=250_000, env_steps=500_000 * (i + 1))
+                        for i, x in enumerate(successes)])
+        write_episodes(tmp_path / "free_y" / f"seed{seed}" / "episodes.jsonl", [dict(base, success=0.0)])
+        (tmp_path / "free_y" / f"seed{seed}" / "summary.json").write_text(json.dumps(
+            {"sessions": [{"commit": "c" * 40, "uncommitted_changes": False,
+                           "flags": {"task": "NetHackScoreExtendedActions-v1"}}]}))
+    assert lc.main(["--plot", str(tmp_path / "stairs_y"), str(tmp_path / "free_y"), "--out",
+                    str(tmp_path / "out")]) == 0
+    text = open(tmp_path / "out" / "curves.md").read()
+    assert rows(text, 2)["stairs_y"]["successes / 1M steps"] == "3.00 ± 1.00"
+    assert rows(text, 2)["free_y"]["successes / 1M steps"] == "—"
+    assert rows(text)["free_y"]["success % (last 100)"] == "—"
+    assert rows(text)["stairs_y"]["success % (last 100)"] == "75.00 ± 25.00"
 
     def runs(**success):  # config -> each seed's last-100 success rate
         return {name: [[{"success": x, "score": 0}] * lc.WINDOW for x in seeds]

@@ -371,8 +371,8 @@ def table(runs, made, unsuccessful=frozenset()):
 def comparisons(runs, window=WINDOW):
     """Markdown table: each config's mean over its last `window` episodes (None: all, as for the evaluated
     games) against the baselines of its task (BASELINES: the score against the control and the score-trained
-    agent; the Staircase's success rate against its task reward
-    alone; a baseline is not compared back with the control), read by the rule the results are read with:
+    agent; the Staircase's success rate against its task reward alone; a baseline is not compared back with
+    the control), read by the rule the results are read with:
     "beats" only where the gap of the means exceeds the larger sample std over seeds (ddof 1: the main table's
     ± is ddof 0, which understates the spread of 2-3 seeds), "below" where it falls short by more than it,
     else "within the std"; the seeds overlap unless every seed of one lies above every seed of the other.
@@ -452,8 +452,9 @@ def report(dirs, out, figure):
     os.makedirs(out, exist_ok=True)
     runs, markdown = load_runs(dirs), os.path.join(out, "curves.md")
     figure = figure or os.path.join(out, "curves.png")
-    made = {name: [commits(d) for d in seeds] for name, seeds in run_dirs(dirs).items()}
-    unsuccessful = {name for name, seeds in run_dirs(dirs).items() if all(map(without_success, seeds))}
+    seeds_of = run_dirs(dirs)
+    made = {name: [commits(d) for d in seeds] for name, seeds in seeds_of.items()}
+    unsuccessful = {name for name, seeds in seeds_of.items() if all(map(without_success, seeds))}
     plot(runs, figure)
     evaluations = load_evaluations(dirs)
     against, evaluated = comparisons(runs), comparisons(evaluations, window=None)

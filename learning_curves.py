@@ -205,13 +205,14 @@ def run_all(args, extra):
 
 def evaluate_after(run_dir, episodes):
     """--eval-after: a complete run evaluated at once, while its checkpoint is here (checkpoints are not
-    committed). The seed's runs evaluated already are passed along (not one in progress), so that its random
-    actions are played once (see evaluate). Returns the number of evaluations that failed, each said."""
+    committed). The seed's runs evaluated already are passed along, so that its random actions are played
+    once (see evaluate); not one in progress, which a resume leaves with its random actions and without its
+    policy's evaluation. Returns the number of evaluations that failed, each said."""
     if not episodes or not os.path.exists(os.path.join(run_dir, "checkpoint.pt")):
         return 0
     seed = glob.glob(os.path.join(os.path.dirname(os.path.dirname(run_dir)), "*", os.path.basename(run_dir)))
-    table, failures = evaluate([d for d in seed if d == run_dir or os.path.exists(
-        os.path.join(d, "eval_random.json")) and os.path.exists(os.path.join(d, "checkpoint.pt"))], episodes)
+    table, failures = evaluate([d for d in seed if d == run_dir or all(os.path.exists(os.path.join(d, name))
+                                for name in ("eval.json", "eval_random.json", "checkpoint.pt"))], episodes)
     print(table, flush=True)
     for failure in failures:
         print(f"error: {failure}", flush=True)

@@ -420,11 +420,14 @@ def test_eval_after_evaluates_each_run_once_complete_while_its_checkpoint_is_the
 
 
 def test_eval_after_leaves_a_run_in_progress_alone(tmp_path, monkeypatch):
-    """A run still training has a periodic checkpoint: --eval-after of another config must not evaluate it."""
+    """A run still training has a periodic checkpoint: --eval-after of another config must not evaluate it.
+    Nor one resumed to more steps, which keeps its random actions' games (five_2m: a restarted driver, on
+    the score-trained run it had committed, began to evaluate Ranking halfway through its 2M leg)."""
     out = tmp_path / "out"
     os.makedirs(out / "free_none" / "seed1")
     torch.save({"args": {"task": lc.SCORE, "seed": 1}},
-               out / "free_none" / "seed1" / "checkpoint.pt")  # in progress
+               out / "free_none" / "seed1" / "checkpoint.pt")  # in progress, resumed from an evaluated end
+    (out / "free_none" / "seed1" / "eval_random.json").write_text(json.dumps({"episodes": []}))
     done = out / "free_retrieval" / "seed1"
     os.makedirs(done)
     torch.save({"args": {"task": lc.SCORE, "seed": 1}}, done / "checkpoint.pt")

@@ -160,10 +160,15 @@ def item_key(item) -> str:  # The LabelTable's key of a caption (itself) or of a
 
 
 def valid_record(r) -> bool:
-    """A labels.jsonl line: {"caption": str, "label": 1|0|null} or {"pair": [a, b], "preference": 1|2|null}"""
+    """A labels.jsonl line: {"caption": str, "label": 1|0|null} or {"pair": [a, b], "preference": 1|2|null},
+    the pair's with the "scores" [a's, b's] and their "scorer" (Labeler.scorer) where a base model's scores
+    answered it."""
     if isinstance(r, dict) and "pair" in r:
+        scores = r.get("scores", [0.0, 0.0])
         return (isinstance(r["pair"], list) and len(r["pair"]) == 2
-                and all(isinstance(m, str) for m in r["pair"]) and r.get("preference", 0) in (1, 2, None))
+                and all(isinstance(m, str) for m in r["pair"]) and r.get("preference", 0) in (1, 2, None)
+                and isinstance(scores, list) and len(scores) == 2 and isinstance(r.get("scorer", ""), str)
+                and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in scores))
     return isinstance(r, dict) and isinstance(r.get("caption"), str) and r.get("label", 2) in (0, 1, None)
 
 
@@ -222,7 +227,8 @@ class Labeler:  # A caption or a pair to a label, with one HTTP request to one o
     def __init__(self, urls, model, prompts, timeout_s, scored=True, demos=None, key=None):
         self.urls, self.timeout_s = [u.rstrip("/") for u in urls], timeout_s
         self.model, self.prompts, self.demos = model, prompts, demos  # The demos' pool; None: the default.
-        self.style, self.scores = None, {}  # The style once the model is known; messages' scores, reused.
+        # The style once the model is known; messages' scores, reused, and what they depend on (a hash).
+        self.style, self.scores, self.scorer = None, {}, None
         self.wants_scores, self.llama_cpp = scored, False  # Ranking's pairs compare scores; the rest, labels.
         self.logprobs = None if scored else False  # Whether the server returns them; None: not known yet.
         self.fallback_said = threading.Lock()
@@ -254,6 +260,10 @@ class Labeler:  # A caption or a pair to a label, with one HTTP request to one o
             elif self.llama_cpp:  # Its log-probabilities cost ~7 labels: bisection instead.
                 self.logprobs = False
             self.demos = self.demos or load_demos()
+            # What a score depends on besides the message: a saved one is reused only where all are the same.
+            scorer = [self.model, self.prompts["label_completion"], GOAL, DEMOS_PER_LABEL,
+                      [demo[:2] for demo in self.demos]]
+            self.scorer = hashlib.sha256(json.dumps(scorer).encode()).hexdigest()[:12]
         self.style = style
         return self.model
 
@@ -451,6 +461,9 @@ def serve(*, urls, model, prompts, concurrency, run_dir, known, requests, table,
     within `share`: the CPU time of the server at server_pid (the embedded one, on the learner's cores) over
     wall time, else the share of wall time with a request in flight."""
     labeler = Labeler(urls, model, prompts, timeout_s, scored, demos, key)
+    path = os.path.join(run_dir, LABELS_FILE)
+    cut_partial_line(path)
+    saved = saved_scores(path)
     asking = set()  # The keys in flight: a retry of one must not ask it twice.
     backlog, attempts, in_flight = Backlog(labeler.worth), collections.Counter(), {}
     credit, last_turn = MAX_CREDIT_S * min(share, 1.0), time.time()  # Credit: the work the share allows now.
@@ -460,7 +473,7 @@ def serve(*, urls, model, prompts, concurrency, run_dir, known, requests, table,
     latencies, counts = collections.deque(maxlen=1000), collections.Counter(stats.copy())  # Counts go on.
     # Per server, as a dead one must not stall the rest: the next pause, when this one ends, when it began.
     pause_s, resume_at, paused_at = [1.0] * len(urls), [0.0] * len(urls), [0.0] * len(urls)
-    fatal, out = None, open(os.path.join(run_dir, LABELS_FILE), "a", buffering=1)  # Each line is flushed.
+    fatal, out = None, open(path, "a", buffering=1)  # Each line is flushed.
     pool = concurrent.futures.ThreadPoolExecutor(concurrency)  # A thread per request in flight.
 
     def enqueue(item, worth=0.0):  # A dropped one waits: the learner sends again what stays unlabelled.
@@ -478,7 +491,11 @@ def serve(*, urls, model, prompts, concurrency, run_dir, known, requests, table,
             backlog.forget(key)
         else:  # An unknown label may be asked again, later.
             unknown_until[key] = time.time() + UNKNOWN_RETRY_S
-        return key, ({"pair": list(item), "preference": value} if pair else {"caption": item, "label": value})
+        if not pair:
+            return key, {"caption": item, "label": value}
+        scores = [labeler.scores.get(as_asked(message)) for message in item]  # Kept for a restart.
+        return key, {"pair": list(item), "preference": value,
+                     **({"scores": scores, "scorer": labeler.scorer} if None not in scores else {})}
 
     def failed(server, error, started):  # Down, 5xx, a timeout: the server pauses, twice as long each time.
         nonlocal fatal
@@ -504,6 +521,7 @@ def serve(*, urls, model, prompts, concurrency, run_dir, known, requests, table,
                 labeler.resolve_model(ready[0])
                 if labeler.style == "completion":
                     counts["answers_restricted"] = int(labeler.restricted)
+                    labeler.scores.update(saved.get(labeler.scorer, {}))
             except Exception as error:
                 failed(ready[0], error, now)
         busy = collections.Counter(server for _, server, _ in in_flight.values())
@@ -553,6 +571,24 @@ def serve(*, urls, model, prompts, concurrency, run_dir, known, requests, table,
         stats["fatal"] = fatal
     pool.shutdown(wait=False, cancel_futures=True)
     out.close()
+
+
+def cut_partial_line(path):
+    """A line a killed annotator left half written is cut: appended to, it would spoil the next record."""
+    with contextlib.suppress(FileNotFoundError), open(path, "rb+") as f:
+        data = f.read()
+        if data and not data.endswith(b"\n"):
+            f.truncate(data.rfind(b"\n") + 1)
+
+
+def saved_scores(path) -> dict:
+    """{scorer: {message as asked: score}} of a run's labels.jsonl: a restarted annotator or a resumed run
+    reuses a base model's scores, each 1 + BISECTIONS requests on llama.cpp, under the same scorer."""
+    saved = collections.defaultdict(dict)
+    for record in read_labels(path) if os.path.exists(path) else ():
+        if "scores" in record:
+            saved[record.get("scorer")].update(zip(map(as_asked, record["pair"]), record["scores"]))
+    return saved
 
 
 def _serve_process(**kwargs):

@@ -102,7 +102,9 @@ def test_labels_pairs_and_the_labels_file(fake, tmp_path):
     assert a.labels[annotator.item_key(("It's a wall.", "You kill the newt!"))] == 2
     assert a.stats["labels"] == 6 and a.stats["requests"] == 6 and a.stats.get("failures", 0) == 0
     lines = [json.loads(x) for x in open(tmp_path / annotator.LABELS_FILE)]
-    assert len(lines) == 6 and {"pair": ["It's a wall.", "You kill the newt!"], "preference": 2} in lines
+    pair = next(line for line in lines if "pair" in line)
+    assert len(lines) == 6 and pair["pair"] == ["It's a wall.", "You kill the newt!"]
+    assert pair["preference"] == 2 and ("scores" in pair) == (fake.model == "fake-base")  # base: from scores
     assert lines == a.log
     path, body = fake.calls[-1]
     if fake.model == "fake-instruct":  # chat prompts: the system's role, then the question
@@ -461,6 +463,8 @@ def test_training_survives_a_server_that_dies_and_comes_back(tmp_path):
     assert proc.returncode == 0, err[-2000:]
     summary = json.load(open(run_dir / "summary.json"))
     assert summary["llm_labels"] > 0 and summary["llm_failures"] > 0 and summary["env_steps"] >= 20000
+    # what the classifier's trainer cost, recorded with the run
+    assert summary["reward_model_steps"] > 0 and 0 < summary["session_reward_model_time_share"] < 1
     labelled = [json.loads(x)["caption"] for x in open(run_dir / annotator.LABELS_FILE)]
     assert len(labelled) == len(set(labelled)) == summary["llm_labels"]  # each asked once
 
@@ -1150,3 +1154,44 @@ def test_a_pair_answered_free_while_it_waits_in_the_backlog_leaves_it():
     backlog.put("q", ("You kill the jackal!", "You see here a dart."), 1.0)
     backlog.forget("p")  # settled while it waited
     assert backlog.peek() == "q" and backlog.pop("q") and backlog.peek() is None and not backlog
+
+
+@pytest.mark.parametrize("fake", ["fake-base"], indirect=True)  # an instruct model's pairs carry no scores
+def test_a_restarted_annotator_answers_pairs_from_the_scores_its_labels_file_kept(fake, tmp_path):
+    """A base model's scores lived in the annotator's memory only: after a restart or a resume every message
+    was scored again, which on llama.cpp costs 1 + BISECTIONS requests a message. Saved ones are reused only
+    by the same scorer: another model, prompt or demonstration pool scores afresh."""
+    wall, newt = "It's  a wall.", "You kill the newt!"  # the wall as NetHack pads it: asked one space apart
+    first = Annotator(fake.url, tmp_path)
+    first.send(pairs=[(wall, newt)])
+    assert first.wait_for(lambda: len(first.labels) == 1)
+    first.close()
+    record = json.loads(open(tmp_path / annotator.LABELS_FILE).read())
+    assert len(record["scores"]) == 2 and record["scores"][0] < record["scores"][1] and record["scorer"]
+
+    def restart(pair, **kwargs):  # the completions asked for a pair, and its answer
+        asked = len(fake.calls)
+        again = Annotator(fake.url, tmp_path, known=[annotator.item_key((wall, newt))], **kwargs)
+        again.send(pairs=[pair])
+        assert again.wait_for(lambda: len(again.labels) == 1)
+        again.close()
+        return ([path for path, _ in fake.calls[asked:] if path.endswith("completions")],
+                again.labels[annotator.item_key(pair)])
+    assert restart((newt, "It's a wall.")) == ([], 1)  # both scored before the restart: nothing asked
+    pool = annotator.load_demos()
+    asked, answer = restart((newt, wall), demos=pool[:-1])  # another pool: its own scores
+    assert len(asked) == 2 and answer == 1
+    for bad in ([1.0], ["high", 0.0], [True, 0.0], "1.0 0.0"):  # what a resume refuses, named by its line
+        assert not annotator.valid_record({"pair": ["a", "b"], "preference": 1, "scores": bad})
+
+
+def test_a_line_a_killed_annotator_left_half_written_is_cut_before_the_next_one_appends(fake, tmp_path):
+    """Appended to, the half line and the next record made one corrupt line that no resume could read."""
+    path = tmp_path / annotator.LABELS_FILE
+    path.write_text('{"caption": "You kill the newt!", "label": 1}\n{"caption": "It\'s a w')
+    a = Annotator(fake.url, tmp_path)
+    a.send(["You see here 5 gold pieces."])
+    assert a.wait_for(lambda: len(a.labels) == 1)
+    a.close()
+    assert [r["caption"] for r in annotator.read_labels(str(path))] == ["You kill the newt!",
+                                                                       "You see here 5 gold pieces."]

@@ -239,3 +239,31 @@ def test_pay_shares_splits_a_run_s_pay_by_its_own_labels_and_the_hand_labels(tmp
     empty = subprocess.run([sys.executable, "benchmarks/pay_shares.py", str(tmp_path / "nothing")], cwd=ROOT,
                            capture_output=True, text=True, timeout=60)
     assert empty.returncode != 0 and empty.stderr.strip().startswith("error: no run")
+
+
+def test_reward_model_cost_times_a_step_and_a_publication_on_the_run_s_own_labels(tmp_path):
+    """Each reward type that trains a model, on a run's labels.jsonl and messages.tsv; a run of another type
+    is one error line, not a timing of nothing."""
+    kills, bites = [f"You kill the {m}!" for m in ("newt", "jackal")], ["The newt bites!", "It's a wall."]
+    for reward_type, records in (
+            ("ranking", [{"pair": [k, b], "preference": 1} for k in kills for b in bites]),
+            ("classification", [{"caption": m, "label": int(m in kills)} for m in kills + bites]),
+            ("retrieval", [])):
+        run = tmp_path / reward_type
+        run.mkdir()
+        (run / "summary.json").write_text(json.dumps({"sessions": [{"flags": {"reward_type": reward_type}}],
+                                                      "reward_model_steps": 300, "wall_time_s": 600.0}))
+        (run / "labels.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        (run / "messages.tsv").write_text("message\tsteps\tlabel\treward_now\tpaid\tfirsts\n" + "".join(
+            f"{m}\t{10 * (i + 1)}\t\t0\t0\t{i + 1}\n" for i, m in enumerate(kills + bites)))
+        result = subprocess.run([sys.executable, "benchmarks/reward_model_cost.py", str(run), "--steps", "2"],
+                                cwd=ROOT, capture_output=True, text=True, timeout=300)
+        if reward_type == "retrieval":
+            assert result.returncode == 1 and result.stdout == "" and result.stderr.count("\n") == 1
+            assert result.stderr.startswith(f"error: {run} is a retrieval run: only ranking and classification")
+            continue
+        assert result.returncode == 0, result.stderr[-2000:]
+        lines = result.stdout.splitlines()
+        assert lines[0] == f"{run}: {reward_type}, {len(records)} labels, 4 messages shown"
+        assert lines[1].startswith("one step: ") and "one publication: " in lines[1]
+        assert lines[2].startswith("the run's 300 steps: ~") and lines[2].endswith("over its 600 s")

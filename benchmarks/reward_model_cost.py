@@ -45,12 +45,14 @@ def main():
     summary = json.load(open(os.path.join(args.run_dir, "summary.json")))
     reward_type = summary["sessions"][0]["flags"]["reward_type"]
     if reward_type not in ("ranking", "classification"):
-        sys.exit(f"error: {args.run_dir} is a {reward_type} run: only ranking and classification train a model")
+        sys.exit(f"error: {args.run_dir} is a {reward_type} run: only ranking and classification train "
+                 "a model")
     piece = reward_models.PIECES[reward_type](oni_appo.Args(reward_type=reward_type, seed=1), "cpu")
     piece.add_labels(annotator.read_labels(os.path.join(args.run_dir, annotator.LABELS_FILE)))
     messages = read_messages(args.run_dir)
     texts = list(messages)
-    drawn = random.Random(1).choices(texts, [messages[t].steps for t in texts], k=reward_models.REFERENCE_STEPS)
+    steps = [messages[t].steps for t in texts]
+    drawn = random.Random(1).choices(texts, steps, k=reward_models.REFERENCE_STEPS)
     shown = collections.Counter(drawn) if reward_type == "ranking" else {t: messages[t].steps for t in texts}
     piece.see(list(shown), np.array(list(shown.values())),
               np.array([messages[t].weight for t in shown]))

@@ -261,8 +261,10 @@ class Labeler:  # A caption or a pair to a label, with one HTTP request to one o
                 self.logprobs = False
             self.demos = self.demos or load_demos()
             # What a score depends on besides the message: a saved one is reused only where all are the same.
+            # How it is read counts too: bisection (llama.cpp), log-probabilities, or an unbiased argmax.
             scorer = [self.model, self.prompts["label_completion"], GOAL, DEMOS_PER_LABEL,
-                      [demo[:2] for demo in self.demos]]
+                      [demo[:2] for demo in self.demos], self.restricted, self.llama_cpp, THRESHOLD,
+                      SCORE_SPAN, BISECTIONS]
             self.scorer = hashlib.sha256(json.dumps(scorer).encode()).hexdigest()[:12]
         self.style = style
         return self.model

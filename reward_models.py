@@ -169,6 +169,7 @@ class TrainedModel(NoReward):
         self.rng, self.lock, self.stop = random.Random(args.seed), threading.Lock(), threading.Event()
         self.new_labels = self.batches = self.model_steps = self.burst = 0  # A burst's steps are unpublished.
         self.loss, self.busy_s, self.started, self.owed_steps, self.published = None, 0.0, None, 0.0, None
+        self.stopped = None
 
     def add_labels(self, records):
         with self.lock:  # What both threads touch changes under it, briefly.
@@ -237,9 +238,10 @@ class TrainedModel(NoReward):
         self.stop.set()
         if self.started is not None:
             self.thread.join()
+            self.stopped = time.perf_counter()  # Its busy share is over the time it ran.
 
     def train_stats(self) -> dict:  # The loss is the latest step's.
-        share = self.started and self.busy_s / (time.perf_counter() - self.started)
+        share = self.started and self.busy_s / ((self.stopped or time.perf_counter()) - self.started)
         stats = {"reward_model_loss": self.loss, "reward_model_steps": self.model_steps,
                  "reward_model_data": len(self.data), "reward_model_owed_steps": self.owed_steps,
                  "reward_model_time_share": share}

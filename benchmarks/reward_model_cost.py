@@ -4,10 +4,11 @@
 
 The run's labels.jsonl goes into a fresh model of the run's reward type (Ranking: its pairs; Classification:
 its captions), and messages.tsv's messages are shown to it as batches would be: each message's steps and pay
-weight, for Ranking a reference of REFERENCE_STEPS steps drawn from the run's messages by their steps (its
-size, not its order, is the publication's cost). The trainer then takes --steps steps of the reference's
-minibatch (256) and publishes once; a step and a publication are timed in the thread's CPU seconds (what they
-take from the box; less moved by other load than wall time) and in wall seconds. Times the run's model steps
+weight, for Ranking a reference of REFERENCE_STEPS steps drawn from the run's messages by their steps (a
+publication costs by its distinct messages: drawn from the whole run they are more than in a run's own first
+steps, so the figure is high). The trainer then takes --steps steps of the reference's minibatch (256) and
+publishes once; a step and a publication are timed in the process's CPU seconds (what they take from the box;
+less moved by other load than wall time) and in wall seconds. Times the run's model steps
 (summary.json's reward_model_steps, where the run recorded them) it is what its trainer took over the run.
 """
 import argparse
@@ -29,10 +30,10 @@ import reward_models  # noqa: E402
 from runs import read_messages  # noqa: E402
 
 
-def timed(function):  # (thread CPU seconds, wall seconds) of one call
-    cpu, wall = time.thread_time(), time.perf_counter()
+def timed(function):  # (CPU seconds of the process, all torch threads; wall seconds) of one call
+    cpu, wall = time.process_time(), time.perf_counter()
     function()
-    return time.thread_time() - cpu, time.perf_counter() - wall
+    return time.process_time() - cpu, time.perf_counter() - wall
 
 
 def main():

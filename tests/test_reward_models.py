@@ -972,7 +972,9 @@ def test_the_trainer_thread_keeps_to_its_share_of_wall_time(monkeypatch):
     model.close()
     share = sum(spent) / (time.perf_counter() - started)
     assert len(spent) >= 2 and share <= 0.3 + 0.1, (len(spent), share)
-    assert model.train_stats()["reward_model_time_share"] <= 0.3 + 0.1
+    assert (closed := model.train_stats()["reward_model_time_share"]) <= 0.3 + 0.1
+    time.sleep(0.5)  # summary.json reads it after the checkpoint: over the time the trainer ran, not since
+    assert model.train_stats()["reward_model_time_share"] == closed
 
 
 def test_a_crash_of_the_trainer_thread_stops_the_learner(monkeypatch):

@@ -15,6 +15,7 @@ Configurations (steps by default; the first five by default):
     free_classification --extrinsic-coef 0 --reward-type classification                   500,000
     stairs_task, stairs_retrieval, stairs_classification, stairs_ranking, stairs_ellm
                      --task NetHackStaircaseExtendedActions-v1 --reward-type none|...|ellm  1,000,000
+    lvl3_task, lvl3_retrieval, ..., lvl3_ellm: the same on NetHackStaircaseLvl3ExtendedActions-v1
 Each run goes to OUT/CONFIG/seedS (console.log holds its output). Runs are resumable: a run whose
 summary.json reached the steps is skipped, one with a checkpoint.pt is continued with --resume; a committed
 run (its episodes gzipped, episodes.jsonl.gz, as results/ keeps them) is skipped too.
@@ -53,7 +54,9 @@ import llm_server
 from run_files import LOCK_FILE, rewrite
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-SCORE, STAIRS = "NetHackScoreExtendedActions-v1", "NetHackStaircaseExtendedActions-v1"
+SCORE = "NetHackScoreExtendedActions-v1"
+SPARSE = {"stairs": "NetHackStaircaseExtendedActions-v1",  # Config name prefix: its task.
+          "lvl3": "NetHackStaircaseLvl3ExtendedActions-v1"}
 # name: (task, reward type, extrinsic coef (None: oni_appo's default), default env steps)
 CONFIGS = {
     "score_extrinsic": (SCORE, "none", None, 1_000_000),
@@ -61,12 +64,10 @@ CONFIGS = {
     "free_retrieval": (SCORE, "retrieval", 0, 500_000),
     "free_ranking": (SCORE, "ranking", 0, 500_000),
     "free_classification": (SCORE, "classification", 0, 500_000),
-    # The sparse task, its reward at the paper's coefficient (c_ext 10): alone, with each ONI reward, ELLM.
-    "stairs_task": (STAIRS, "none", None, 1_000_000),
-    "stairs_retrieval": (STAIRS, "retrieval", None, 1_000_000),
-    "stairs_classification": (STAIRS, "classification", None, 1_000_000),
-    "stairs_ranking": (STAIRS, "ranking", None, 1_000_000),
-    "stairs_ellm": (STAIRS, "ellm", None, 1_000_000),
+    # The sparse tasks, their reward at the paper's coefficient (c_ext 10): alone, with each ONI reward, ELLM.
+    **{f"{prefix}_{name}": (task, "none" if name == "task" else name, None, 1_000_000)
+       for prefix, task in SPARSE.items()
+       for name in ("task", "retrieval", "classification", "ranking", "ellm")},
 }
 METRICS = ["score", "steps", "depth", "success", "kills", "explored", "intrinsic_return"]
 TITLES = {"xlvl": "experience level", "intrinsic_rewarded_fraction": "share of an episode's steps paid",
@@ -77,7 +78,7 @@ BINS, WINDOW = 25, 100
 # (the monk's pantheon: the default character). Episodes recorded before `end` existed have none.
 # The baselines a config is read against: {baseline: (measure, the configs it applies to by name prefix)}.
 BASELINES = {"free_none": ("score", ("free_", "score_")), "score_extrinsic": ("score", ("free_", "score_")),
-             "stairs_task": ("success", ("stairs_",))}
+             **{f"{prefix}_task": ("success", (f"{prefix}_",)) for prefix in SPARSE}}
 ENDS = ("killed", "starvation", "prayer", "other", "time limit", "success")
 WRATH = ("Thou hast angered me", "bolt of lightning", "fry to a crisp", "disintegrat", "of Shan Lai Ching",
          "of Chih Sung-tzu", "of Huan Ti")

@@ -189,9 +189,14 @@ def test_how_episodes_end_comes_from_the_recorded_end_and_the_staircase_is_read_
     def runs(**success):  # config -> each seed's last-100 success rate
         return {name: [[{"success": x, "score": 0}] * lc.WINDOW for x in seeds]
                 for name, seeds in success.items()}
-    text = lc.comparisons(runs(stairs_task=[0.1, 0.2], stairs_ranking=[0.5, 0.6], free_none=[0.0, 0.0]))
+    # each sparse task's configs against its own task reward alone (Lvl3 against Staircase would compare
+    # two tasks' success rates)
+    text = lc.comparisons(runs(stairs_task=[0.1, 0.2], stairs_ranking=[0.5, 0.6], free_none=[0.0, 0.0],
+                               lvl3_task=[0.0, 0.1], lvl3_ranking=[0.0, 0.2]))
     lines = [[c.strip() for c in line.strip("|").split("|")] for line in text.strip().splitlines()[2:]]
-    assert lines == [["stairs_ranking", "stairs_task", "success %", "+40.00", "7.07", "beats", "no"]]
+    assert lines == [["stairs_ranking", "stairs_task", "success %", "+40.00", "7.07", "beats", "no"],
+                     ["lvl3_ranking", "lvl3_task", "success %", "+5.00", "14.14", "within the std", "yes"]]
+    assert lc.CONFIGS["lvl3_ranking"] == ("NetHackStaircaseLvl3ExtendedActions-v1", "ranking", None, 1_000_000)
 
 
 def test_a_gzipped_run_reads_as_the_plain_one_and_is_never_run_again(tmp_path, monkeypatch, capsys):
@@ -507,3 +512,4 @@ def test_a_run_dir_a_learner_still_holds_is_left_alone(tmp_path):
         holder.kill()
         holder.wait()
     assert lc.in_use(str(run_dir)) is None and lc.in_use(str(tmp_path)) is None
+

@@ -196,7 +196,8 @@ def test_how_episodes_end_comes_from_the_recorded_end_and_the_staircase_is_read_
     lines = [[c.strip() for c in line.strip("|").split("|")] for line in text.strip().splitlines()[2:]]
     assert lines == [["stairs_ranking", "stairs_task", "success %", "+40.00", "7.07", "beats", "no"],
                      ["lvl3_ranking", "lvl3_task", "success %", "+5.00", "14.14", "within the std", "yes"]]
-    assert lc.CONFIGS["lvl3_ranking"] == ("NetHackStaircaseLvl3ExtendedActions-v1", "ranking", None, 1_000_000)
+    assert lc.CONFIGS["lvl3_ranking"] == (lc.SPARSE["lvl3"], "ranking", None, 1_000_000)
+    assert lc.SPARSE["lvl3"] == "NetHackStaircaseLvl3ExtendedActions-v1"
 
 
 def test_a_gzipped_run_reads_as_the_plain_one_and_is_never_run_again(tmp_path, monkeypatch, capsys):

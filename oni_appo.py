@@ -1003,11 +1003,12 @@ def finish(run):
                # the message in hand, and that of messages in the batch that first showed them (no label yet).
                **{f"{name}_pay_share": totals.get(key, 0) / max(totals.get("pay_weight", 0), 1e-9)
                   for name, key in (("judged", "pay_weight_judged"), ("first_seen", "pay_weight_new"))},
-               # A reward model's trainer: its steps in the run, its busy share of this session's wall
-               # time (on a CPU it shares the learner's cores: where ONI's speed goes besides the labeler).
-               **{("session_" if key.endswith("share") else "") + key: value
-                  for key, value in run.intrinsic.train_stats().items()
-                  if key in ("reward_model_steps", "reward_model_time_share")}}
+               # A reward model's trainer: its steps in the run, and this session's busy share of wall time
+               # and publications (on a CPU it shares the learner's cores: where ONI's speed goes besides
+               # the labeler; each publication scores the reference or the gate's labels anew).
+               **{("" if key.endswith("steps") else "session_") + key: value
+                  for key, value in run.intrinsic.train_stats().items() if key in (
+                      "reward_model_steps", "reward_model_time_share", "reward_model_publications")}}
     path = os.path.join(args.run_dir, "episodes.jsonl")  # All the run's episodes, resumed runs included.
     episodes = [json.loads(line) for line in open(path)] if os.path.exists(path) else []
     summary["mean_episode_return"] = float(np.mean([e["return"] for e in episodes])) if episodes else None

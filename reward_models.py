@@ -169,7 +169,7 @@ class TrainedModel(NoReward):
         self.rng, self.lock, self.stop = random.Random(args.seed), threading.Lock(), threading.Event()
         self.new_labels = self.batches = self.model_steps = self.burst = 0  # A burst's steps are unpublished.
         self.loss, self.busy_s, self.started, self.owed_steps, self.published = None, 0.0, None, 0.0, None
-        self.stopped = None
+        self.stopped, self.publications = None, 0  # This session's: how long it ran, how often it published.
 
     def add_labels(self, records):
         with self.lock:  # What both threads touch changes under it, briefly.
@@ -218,7 +218,7 @@ class TrainedModel(NoReward):
                      "optimizer": copy.deepcopy(self.optimizer.state_dict()),
                      **(scoring or self.scoring(model))}
         with self.lock:
-            self.published, self.burst = published, 0
+            self.published, self.burst, self.publications = published, 0, self.publications + 1
 
     def start(self, share=1.0):
         def train():
@@ -244,7 +244,7 @@ class TrainedModel(NoReward):
         share = self.started and self.busy_s / ((self.stopped or time.perf_counter()) - self.started)
         stats = {"reward_model_loss": self.loss, "reward_model_steps": self.model_steps,
                  "reward_model_data": len(self.data), "reward_model_owed_steps": self.owed_steps,
-                 "reward_model_time_share": share}
+                 "reward_model_time_share": share, "reward_model_publications": self.publications}
         return {key: value for key, value in stats.items() if value is not None}
 
     def state_dict(self) -> dict:

@@ -465,6 +465,7 @@ def test_training_survives_a_server_that_dies_and_comes_back(tmp_path):
     assert summary["llm_labels"] > 0 and summary["llm_failures"] > 0 and summary["env_steps"] >= 20000
     # what the classifier's trainer cost, recorded with the run
     assert summary["reward_model_steps"] > 0 and 0 < summary["session_reward_model_time_share"] < 1
+    assert 0 < summary["session_reward_model_publications"] <= summary["reward_model_steps"]
     labelled = [json.loads(x)["caption"] for x in open(run_dir / annotator.LABELS_FILE)]
     assert len(labelled) == len(set(labelled)) == summary["llm_labels"]  # each asked once
 

@@ -1,6 +1,6 @@
 """Learning curves: train a few configurations of oni_appo.py over seeds, then plot and tabulate them.
 
-    python learning_curves.py                                  # all five configs, seed 1
+    python learning_curves.py                                  # the first five configs, seed 1
     python learning_curves.py --configs free_none free_ranking --seeds 1 2 3
     python learning_curves.py --steps 2e9 -- --llm-url http://gpu:8000/v1   # the paper's scale
     python learning_curves.py --plot results/curves/free_none runs/some_run  # only plot
@@ -27,7 +27,7 @@ episodes' means in 25 equal bins of env steps, per config the mean over seeds (l
 min-max (shaded). OUT/curves.md: per config the last-100-episode means (mean ± std over seeds) and the
 commits that made each seed (its summary.json's sessions; "+": with uncommitted changes); below it, each
 config against its baselines (on the Score task its score against the control and the score-trained agent, on
-the Staircase its success in percent against the task reward alone), over the last 100 episodes of training
+a sparse task its success in percent against its task reward alone), over the last 100 episodes of training
 and, once every seed has its eval.json, over all the evaluated games: "beats" only beyond the larger std
 (ddof 1) over seeds, and whether the seeds overlap.
 --eval-after N evaluates each run as soon as it is complete (and a complete one not yet evaluated), while its
@@ -373,8 +373,8 @@ def table(runs, made, unsuccessful=frozenset()):
 def comparisons(runs, window=WINDOW):
     """Markdown table: each config's mean over its last `window` episodes (None: all, as for the evaluated
     games) against the baselines of its task (BASELINES: the score against the control and the score-trained
-    agent; the Staircase's success rate against its task reward alone; a baseline is not compared back with
-    the control), read by the rule the results are read with:
+    agent; a sparse task's success rate against its own task reward alone; a baseline is not compared back
+    with the control), read by the rule the results are read with:
     "beats" only where the gap of the means exceeds the larger sample std over seeds (ddof 1: the main table's
     ± is ddof 0, which understates the spread of 2-3 seeds), "below" where it falls short by more than it,
     else "within the std"; the seeds overlap unless every seed of one lies above every seed of the other.

@@ -218,7 +218,8 @@ class TrainedModel(NoReward):
                      "optimizer": copy.deepcopy(self.optimizer.state_dict()),
                      **(scoring or self.scoring(model))}
         with self.lock:
-            self.published, self.burst, self.publications = published, 0, self.publications + 1
+            self.published, self.burst = published, 0
+            self.publications += not scoring  # Those that scored (a resume's reload does not).
 
     def start(self, share=1.0):
         def train():

@@ -513,4 +513,3 @@ def test_a_run_dir_a_learner_still_holds_is_left_alone(tmp_path):
         holder.kill()
         holder.wait()
     assert lc.in_use(str(run_dir)) is None and lc.in_use(str(tmp_path)) is None
-

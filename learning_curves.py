@@ -4,6 +4,7 @@
     python learning_curves.py --configs free_none free_ranking --seeds 1 2 3
     python learning_curves.py --steps 2e9 -- --llm-url http://gpu:8000/v1   # the paper's scale
     python learning_curves.py --plot results/curves/free_none runs/some_run  # only plot
+    python learning_curves.py --plot results/five_2m/free_ranking --until 1e6   # its tables at 1M steps
     python learning_curves.py --eval results/curves/score_extrinsic results/curves/free_ranking
     python learning_curves.py --eval results/curves/free_retrieval --record   # + first episode's replay
 
@@ -449,25 +450,35 @@ def plot(runs, path):
     plt.close(fig)
 
 
-def report(dirs, out, figure):
-    """Writes the figure and OUT/curves.md, prints the table."""
+def report(dirs, out, figure, until=None):
+    """Writes the figure and OUT/curves.md, prints the table. With `until`, the runs as they stood at that
+    many steps (their episodes that ended by then) in OUT/curves_until_<steps>.md alone: no figure, and no
+    evaluations, which are of the policy at a run's end."""
     os.makedirs(out, exist_ok=True)
     runs, markdown = load_runs(dirs), os.path.join(out, "curves.md")
+    if until is not None:
+        runs = {name: [[e for e in s if e["env_steps"] <= until] for s in seeds]
+                for name, seeds in runs.items()}
+        if not all(s for seeds in runs.values() for s in seeds):
+            raise SystemExit(f"error: a run of {', '.join(runs)} has no episode by {until:,} steps")
+        markdown = os.path.join(out, f"curves_until_{until / 1e6:g}M.md")
     figure = figure or os.path.join(out, "curves.png")
     seeds_of = run_dirs(dirs)
     made = {name: [commits(d) for d in seeds] for name, seeds in seeds_of.items()}
     unsuccessful = {name for name, seeds in seeds_of.items() if all(map(without_success, seeds))}
-    plot(runs, figure)
-    evaluations = load_evaluations(dirs)
+    if until is None:
+        plot(runs, figure)
+    evaluations = load_evaluations(dirs) if until is None else {}
     against, evaluated = comparisons(runs), comparisons(evaluations, window=None)
     games = "/".join(map(str, sorted({len(g) for seeds in evaluations.values() for g in seeds})))
-    text = table(runs, made, unsuccessful)
+    text = "" if until is None else f"The runs up to {until:,} steps: the episodes that ended by then.\n\n"
+    text += table(runs, made, unsuccessful)
     text += f"\nThe last {WINDOW} episodes of training against the baselines:\n\n{against}" if against else ""
     if evaluated:
         text += f"\nThe evaluated games ({games} a seed) against the baselines:\n\n{evaluated}"
     with open(markdown, "w") as f:
         f.write(text)
-    print(text + f"figure: {figure}; table: {markdown}")
+    print(text + (f"figure: {figure}; " if until is None else "") + f"table: {markdown}")
 
 
 def random_games(run_dir):
@@ -553,6 +564,9 @@ def main(argv=None):
     parser.add_argument("--out", default="runs/curves")
     parser.add_argument("--figure", default=None, help="PNG path (default OUT/curves.png)")
     parser.add_argument("--plot", nargs="+", metavar="DIR", help="only plot these config or run dirs")
+    parser.add_argument("--until", type=lambda s: int(float(s)), default=None, metavar="STEPS",
+                        help="with --plot: only the tables of the episodes that ended by STEPS (accepts 1e6) "
+                        "into OUT/curves_until_<STEPS>.md, e.g. a 2M-step run at 1M")
     parser.add_argument("--eval", nargs="+", metavar="DIR", help="only evaluate these config or run dirs "
                         "(trained policy and random actions, --eval-episodes each) into OUT/eval.md")
     parser.add_argument("--eval-episodes", type=int, default=20)
@@ -563,9 +577,11 @@ def main(argv=None):
                         help="with --eval: also the replay of each run's first "
                         "episode, trained and random, in RUN/replay and RUN/replay_random")
     args = parser.parse_args(argv)
+    if args.until is not None and not args.plot:
+        parser.error("--until goes with --plot")
     if args.plot or args.eval:
         if args.plot:
-            report(args.plot, args.out, args.figure)
+            report(args.plot, args.out, args.figure, args.until)
         if args.eval:  # The table at the end, whole: a failure halfway keeps the last one.
             os.makedirs(args.out, exist_ok=True)
             table, failures = evaluate(args.eval, args.eval_episodes, args.record)

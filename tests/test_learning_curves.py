@@ -89,6 +89,22 @@ def test_table_and_figure(tmp_path, capsys):
     assert len(png) > 1000 and png[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_until_reads_the_runs_as_they_stood_at_that_step_and_writes_no_figure(tmp_path, capsys):
+    """A 2M-step run's tables at 1M: the last 100 episodes ended by then, not the run's last 100."""
+    dirs = synthetic(tmp_path)
+    out = tmp_path / "out"
+    assert lc.main(["--plot", *dirs, "--out", str(out), "--until", "150e3"]) == 0
+    text = open(out / "curves_until_0.15M.md").read()
+    assert text in capsys.readouterr().out and not (out / "curves.png").exists()
+    cfg, run = rows(text, 1)["cfg"], rows(text, 1)["run"]  # table 0: the line that names the step
+    # cfg's episode i ends at 1000 (i + 1) + seed: 149 episodes by 150k, the last 100 are i = 49..148.
+    assert cfg["env steps"] == "149,001" and cfg["score (last 100)"] == "103.50 ± 5.00"
+    assert run["score (last 100)"] == "499.00"  # its 2,100 steps are all before 150k
+    assert rows(text, 3)["cfg"]["episodes (whole run)"] == "149.00 ± 0.00"
+    with pytest.raises(SystemExit, match="no episode by 500 steps"):
+        lc.main(["--plot", *dirs, "--out", str(out), "--until", "500"])
+
+
 def test_tables_and_figures_load_no_torch(tmp_path):
     """Reading runs needs no torch (it takes seconds to import): run_files imports it only for checkpoints."""
     code = ("import sys, learning_curves as lc; lc.main(['--plot', *sys.argv[1:]]); "

@@ -320,12 +320,13 @@ def share(episodes, key, level):
     return float("nan") if np.isnan(values).any() else 100 * np.mean(values >= level)
 
 
-def table(runs, made, unsuccessful=frozenset()):
+def table(runs, made, unsuccessful=frozenset(), span="whole run"):
     """Markdown tables, means over each seed's last 100 episodes, then 'mean ± std' across seeds: per episode
     and per step, with the commits that made each seed (made: {config: [commits() of each seed]}, "/" between
-    seeds); what the agents reached (depth and experience level, shares reaching 2 and 3); and how the whole
-    run's episodes ended, in percent (from the recorded end; "not recorded" for runs from before it), with the
-    run's successes per million steps ("—" for the configs in `unsuccessful`, whose task has no success)."""
+    seeds); what the agents reached (depth and experience level, shares reaching 2 and 3); and how the
+    episodes of the `span` given (the whole run) ended, in percent (from the recorded end; "not recorded" for
+    runs from before it), with their successes per million steps ("—" for the configs in `unsuccessful`,
+    whose task has no success)."""
     score, steps = (lambda s: [e["score"] for e in s]), (lambda s: sum(e["steps"] for e in s))
     columns = {"score": lambda s: mean(score(s)), "median score": lambda s: np.median(score(s)),
                "score / 1,000 steps": lambda s: 1000 * sum(score(s)) / steps(s),
@@ -348,7 +349,7 @@ def table(runs, made, unsuccessful=frozenset()):
              "|---" * (len(columns) + 6) + "|"]
     second = ["| config | " + " | ".join(map(title, reached)) + " |",
               "|---" * (len(reached) + 1) + "|"]
-    third = ["| config | episodes (whole run) | " + " | ".join(f"{end} %" for end in ENDS)
+    third = [f"| config | episodes ({span}) | " + " | ".join(f"{end} %" for end in ENDS)
              + " | successes / 1M steps |", "|---" * (len(ENDS) + 3) + "|"]
     for name, seeds in runs.items():
         env_steps = min(s[-1]["env_steps"] for s in seeds)
@@ -452,8 +453,8 @@ def plot(runs, path):
 
 def report(dirs, out, figure, until=None):
     """Writes the figure and OUT/curves.md, prints the table. With `until`, the runs as they stood at that
-    many steps (their episodes that ended by then) in OUT/curves_until_<steps>.md alone: no figure, and no
-    evaluations, which are of the policy at a run's end."""
+    many steps (their episodes that ended by then) in OUT/curves_until_<STEPS in millions>M.md alone: no
+    figure, and no evaluations, which are of the policy at a run's end."""
     os.makedirs(out, exist_ok=True)
     runs, markdown = load_runs(dirs), os.path.join(out, "curves.md")
     if until is not None:
@@ -461,7 +462,8 @@ def report(dirs, out, figure, until=None):
                 for name, seeds in runs.items()}
         if not all(s for seeds in runs.values() for s in seeds):
             raise SystemExit(f"error: a run of {', '.join(runs)} has no episode by {until:,} steps")
-        markdown = os.path.join(out, f"curves_until_{until / 1e6:g}M.md")
+        millions = np.format_float_positional(until / 1e6, trim="-")  # Exact: 1.5e6 -> 1.5, 50 -> 0.00005.
+        markdown = os.path.join(out, f"curves_until_{millions}M.md")
     figure = figure or os.path.join(out, "curves.png")
     seeds_of = run_dirs(dirs)
     made = {name: [commits(d) for d in seeds] for name, seeds in seeds_of.items()}
@@ -471,8 +473,9 @@ def report(dirs, out, figure, until=None):
     evaluations = load_evaluations(dirs) if until is None else {}
     against, evaluated = comparisons(runs), comparisons(evaluations, window=None)
     games = "/".join(map(str, sorted({len(g) for seeds in evaluations.values() for g in seeds})))
-    text = "" if until is None else f"The runs up to {until:,} steps: the episodes that ended by then.\n\n"
-    text += table(runs, made, unsuccessful)
+    text = "" if until is None else (f"The runs up to {until:,} steps: the episodes that ended by then (the "
+                                     "commits: those of the whole run).\n\n")
+    text += table(runs, made, unsuccessful, "whole run" if until is None else f"by {until:,} steps")
     text += f"\nThe last {WINDOW} episodes of training against the baselines:\n\n{against}" if against else ""
     if evaluated:
         text += f"\nThe evaluated games ({games} a seed) against the baselines:\n\n{evaluated}"
@@ -551,6 +554,13 @@ def evaluate(dirs, episodes, record=False):
     return "\n".join(rows) + "\n", failures
 
 
+def steps_count(text):  # A count of env steps as the flags take it: 2e9, 1000000.
+    try:
+        return int(float(text))
+    except (ValueError, OverflowError):
+        raise argparse.ArgumentTypeError(f"not a number of steps: {text!r}") from None
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
@@ -558,15 +568,15 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS)[:5])
     parser.add_argument("--seeds", nargs="+", type=int, default=[1])
-    parser.add_argument("--steps", type=lambda s: int(float(s)), default=None,
+    parser.add_argument("--steps", type=steps_count, default=None,
                         help="env steps of every config (accepts 2e9; default: each config's own)")
     parser.add_argument("--num-workers", type=int, default=None, help="passed to oni_appo.py")
     parser.add_argument("--out", default="runs/curves")
     parser.add_argument("--figure", default=None, help="PNG path (default OUT/curves.png)")
     parser.add_argument("--plot", nargs="+", metavar="DIR", help="only plot these config or run dirs")
-    parser.add_argument("--until", type=lambda s: int(float(s)), default=None, metavar="STEPS",
+    parser.add_argument("--until", type=steps_count, default=None, metavar="STEPS",
                         help="with --plot: only the tables of the episodes that ended by STEPS (accepts 1e6) "
-                        "into OUT/curves_until_<STEPS>.md, e.g. a 2M-step run at 1M")
+                        "into OUT/curves_until_<STEPS in millions>M.md, e.g. a 2M-step run at 1M")
     parser.add_argument("--eval", nargs="+", metavar="DIR", help="only evaluate these config or run dirs "
                         "(trained policy and random actions, --eval-episodes each) into OUT/eval.md")
     parser.add_argument("--eval-episodes", type=int, default=20)
@@ -577,8 +587,8 @@ def main(argv=None):
                         help="with --eval: also the replay of each run's first "
                         "episode, trained and random, in RUN/replay and RUN/replay_random")
     args = parser.parse_args(argv)
-    if args.until is not None and not args.plot:
-        parser.error("--until goes with --plot")
+    if args.until is not None and (not args.plot or args.figure):
+        parser.error("--until goes with --plot, and makes no figure")
     if args.plot or args.eval:
         if args.plot:
             report(args.plot, args.out, args.figure, args.until)

@@ -90,19 +90,38 @@ def test_table_and_figure(tmp_path, capsys):
 
 
 def test_until_reads_the_runs_as_they_stood_at_that_step_and_writes_no_figure(tmp_path, capsys):
-    """A 2M-step run's tables at 1M: the last 100 episodes ended by then, not the run's last 100."""
+    """A 2M-step run's tables at 1M: the last 100 episodes ended by then (one ending at the step included), not
+    the run's last 100, and no evaluation, which is of the policy at the run's end."""
     dirs = synthetic(tmp_path)
+    for seed in (1, 2):
+        (tmp_path / "cfg" / f"seed{seed}" / "eval.json").write_text(json.dumps({"episodes": [{"success": 1}]}))
+    for name in ("stairs_task", "stairs_ranking"):  # A config and its baseline: their evaluations compare.
+        shutil.copytree(tmp_path / "cfg", tmp_path / name)
+    pair, out = [str(tmp_path / "stairs_task"), str(tmp_path / "stairs_ranking")], tmp_path / "pair"
+    assert lc.main(["--plot", *pair, "--out", str(out)]) == 0
+    assert "evaluated games" in open(out / "curves.md").read()
+    assert lc.main(["--plot", *pair, "--out", str(out), "--until", "2e5"]) == 0
+    assert "evaluated games" not in open(out / "curves_until_0.2M.md").read()
+    capsys.readouterr()
     out = tmp_path / "out"
-    assert lc.main(["--plot", *dirs, "--out", str(out), "--until", "150e3"]) == 0
-    text = open(out / "curves_until_0.15M.md").read()
+    assert lc.main(["--plot", *dirs, "--out", str(out), "--until", "150001"]) == 0
+    text = open(out / "curves_until_0.150001M.md").read()
     assert text in capsys.readouterr().out and not (out / "curves.png").exists()
     cfg, run = rows(text, 1)["cfg"], rows(text, 1)["run"]  # table 0: the line that names the step
-    # cfg's episode i ends at 1000 (i + 1) + seed: 149 episodes by 150k, the last 100 are i = 49..148.
-    assert cfg["env steps"] == "149,001" and cfg["score (last 100)"] == "103.50 ± 5.00"
-    assert run["score (last 100)"] == "499.00"  # its 2,100 steps are all before 150k
-    assert rows(text, 3)["cfg"]["episodes (whole run)"] == "149.00 ± 0.00"
+    # cfg's episode i ends at 1000 (i + 1) + seed: seed 1's 150th ends at 150,001; the last 100 of seed 1 are
+    # i = 50..149 (mean 99.5), of seed 2 i = 49..148 (+10: 108.5).
+    assert cfg["env steps"] == "149,002" and cfg["score (last 100)"] == "104.00 ± 4.50"
+    assert run["score (last 100)"] == "499.00"  # its 2,100 steps are all before the cut
+    assert rows(text, 3)["cfg"]["episodes (by 150,001 steps)"] == "149.50 ± 0.50"
+    assert lc.main(["--plot", *dirs, "--out", str(out), "--until", "1.5e6"]) == 0
+    assert (out / "curves_until_1.5M.md").exists()
     with pytest.raises(SystemExit, match="no episode by 500 steps"):
         lc.main(["--plot", *dirs, "--out", str(out), "--until", "500"])
+    for argv in (["--until", "1e6"], ["--plot", *dirs, "--until", "1e6", "--figure", "x.png"],
+                 ["--plot", *dirs, "--until", "inf"]):
+        with pytest.raises(SystemExit):  # argparse's usage error, not a traceback
+            lc.main(argv)
+        assert "usage" in capsys.readouterr().err
 
 
 def test_tables_and_figures_load_no_torch(tmp_path):

@@ -7,6 +7,7 @@ training; an error that retrying cannot fix stops the run."""
 import collections
 import concurrent.futures
 import contextlib
+import gzip
 import hashlib
 import heapq
 import itertools
@@ -107,7 +108,7 @@ def load_demos(path=None) -> list:
     e.g. an 8B model's labels for the laptop labeler to copy. A message's last label counts. Raises Fatal."""
     path = path or DEMOS_FILE
     try:
-        if path.endswith(".jsonl"):  # As a resume reads it: a last line that a crash cut short is skipped.
+        if path.endswith((".jsonl", ".jsonl.gz")):  # As a resume reads it: a last line cut short is skipped.
             pairs = [(r["caption"], r["label"]) for r in read_labels(path) if r.get("label") is not None]
         else:
             with open(path) as f:
@@ -172,11 +173,11 @@ def valid_record(r) -> bool:
     return isinstance(r, dict) and isinstance(r.get("caption"), str) and r.get("label", 2) in (0, 1, None)
 
 
-def read_labels(path: str) -> list[dict]:
+def read_labels(path: str) -> list[dict]:  # A labels.jsonl, or the gzipped copy results/ keeps (.gz).
     try:
-        with open(path) as f:
+        with gzip.open(path, "rt") if os.fspath(path).endswith(".gz") else open(path) as f:
             lines = f.read().split("\n")
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, EOFError) as error:  # EOFError: a gzipped copy cut short.
         raise SystemExit(f"error: cannot read labels from {path}: {error}")
     records = []
     for n, line in enumerate(lines, 1):

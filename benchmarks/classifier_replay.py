@@ -59,7 +59,7 @@ def replay(run, seed, sets, weigh, hand_path, top=5):
         owner = functools.reduce(getattr, path, rm)
         setattr(owner, attr, type(getattr(owner, attr))(value))
     messages = runs.read_messages(run)
-    records = [r for r in annotator.read_labels(os.path.join(run, annotator.LABELS_FILE))
+    records = [r for r in annotator.read_labels(runs.run_file(run, annotator.LABELS_FILE))
                if r.get("label") is not None]
     shown = {r["caption"]: messages.get(" ".join(r["caption"].split()))  # (tsv: spaces folded)
              for r in records}

@@ -40,6 +40,7 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]  # the method; tests/runs.py
+import annotator  # noqa: E402
 import runs  # noqa: E402
 
 RULES = {"median": ("q", 0.5), "q90": ("q", 0.9), "q95": ("q", 0.95), "q98": ("q", 0.98),
@@ -55,9 +56,8 @@ def originals(root):
     labels.jsonl of any run holds it, else by NLE's rule (two spaces after a sentence's end)."""
     known = {}
     for run in runs.run_dirs(root):
-        path = os.path.join(run, "labels.jsonl")
-        for line in open(path) if os.path.exists(path) else []:
-            record = json.loads(line)
+        path = runs.run_file(run, annotator.LABELS_FILE)
+        for record in annotator.read_labels(path) if os.path.exists(path) else []:
             for text in record.get("pair", []) + [record.get("caption")] * ("caption" in record):
                 known.setdefault(fold(text), text)
     return lambda text: known.get(text) or re.sub(r"([.!?]) (?=[A-Z])", r"\1  ", text)
@@ -74,7 +74,7 @@ def answer(pair, preference, side):
 
 def pair_sets(run, side, seed, original):
     """The pairs of each way of drawing and answering them; the share of recorded answers the tie changes."""
-    records = [r for r in map(json.loads, open(os.path.join(run, "labels.jsonl"))) if "pair" in r]
+    records = [r for r in annotator.read_labels(runs.run_file(run, annotator.LABELS_FILE)) if "pair" in r]
     tie = [{"pair": r["pair"], "preference": answer(r["pair"], r["preference"], side)} for r in records]
     messages = {t: m for t, m in runs.read_messages(run).items() if t in side}  # those it can answer
     texts, rng = sorted(messages), random.Random(seed)

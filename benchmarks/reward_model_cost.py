@@ -27,7 +27,7 @@ import torch  # noqa: E402
 import annotator  # noqa: E402
 import oni_appo  # noqa: E402
 import reward_models  # noqa: E402
-from runs import read_messages  # noqa: E402
+import runs  # noqa: E402
 
 
 def timed(function):  # (CPU seconds of the process, all torch threads; wall seconds) of one call
@@ -49,8 +49,8 @@ def main():
         sys.exit(f"error: {args.run_dir} is a {reward_type} run: only ranking and classification train "
                  "a model")
     piece = reward_models.PIECES[reward_type](oni_appo.Args(reward_type=reward_type, seed=1), "cpu")
-    piece.add_labels(annotator.read_labels(os.path.join(args.run_dir, annotator.LABELS_FILE)))
-    messages = read_messages(args.run_dir)
+    piece.add_labels(annotator.read_labels(runs.run_file(args.run_dir, annotator.LABELS_FILE)))
+    messages = runs.read_messages(args.run_dir)
     texts = list(messages)
     steps = [messages[t].steps for t in texts]
     drawn = random.Random(1).choices(texts, steps, k=reward_models.REFERENCE_STEPS)

@@ -62,7 +62,7 @@ def llm_labels(*run_dirs: str) -> dict[str, int]:
     out), read as a resume reads it: a last line that a crash or a running run cut short is skipped."""
     out = {}
     for run_dir in run_dirs:
-        path = os.path.join(run_dir, annotator.LABELS_FILE)
+        path = run_file(run_dir, annotator.LABELS_FILE)
         for record in annotator.read_labels(path) if os.path.exists(path) else []:
             if "caption" in record and record["label"] is not None:
                 out[" ".join(record["caption"].split())] = record["label"]

@@ -5,6 +5,8 @@ import shutil
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -89,10 +91,20 @@ def test_label_quality_weighs_by_steps_and_pay_and_keeps_the_test_and_goal_sets_
 
 def test_runs_reads_the_labels_of_a_run_still_writing_them(tmp_path):
     """A run killed mid-write, or still running, cut the last line of labels.jsonl: runs.llm_labels raised."""
+    import annotator
     import runs
     (tmp_path / "labels.jsonl").write_text('{"caption": "You kill the newt!", "label": 1}\n'
                                            '{"caption": "It\'s a wall.", "label": 0}\n{"caption": "You see')
     assert runs.llm_labels(str(tmp_path)) == {"You kill the newt!": 1, "It's a wall.": 0}
+    # results/ keeps it gzipped (labels.jsonl.gz): read as the plain one, by every reader of a run's labels
+    subprocess.run(["gzip", "-n", "-9", str(tmp_path / "labels.jsonl")], check=True)
+    assert runs.llm_labels(str(tmp_path)) == {"You kill the newt!": 1, "It's a wall.": 0}
+    assert annotator.load_demos(str(tmp_path / "labels.jsonl.gz"))[0][:2] == ("You kill the newt!", 1)
+    cut = tmp_path / "cut" / "labels.jsonl.gz"  # a gzipped copy cut short: one error line, no traceback
+    cut.parent.mkdir()
+    cut.write_bytes((tmp_path / "labels.jsonl.gz").read_bytes()[:30])
+    with pytest.raises(SystemExit, match="cannot read labels from .*labels.jsonl.gz: Compressed file ended"):
+        runs.llm_labels(str(cut.parent))
 
 
 def test_label_scale_prints_each_figure_of_each_case():

@@ -24,6 +24,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+import zlib
 
 import llm_server
 
@@ -177,7 +178,7 @@ def read_labels(path: str) -> list[dict]:  # A labels.jsonl, or the gzipped copy
     try:
         with gzip.open(path, "rt") if os.fspath(path).endswith(".gz") else open(path) as f:
             lines = f.read().split("\n")
-    except (OSError, ValueError, EOFError) as error:  # EOFError: a gzipped copy cut short.
+    except (OSError, ValueError, EOFError, zlib.error) as error:  # The last two: a .gz cut or damaged.
         raise SystemExit(f"error: cannot read labels from {path}: {error}")
     records = []
     for n, line in enumerate(lines, 1):

@@ -103,7 +103,7 @@ def run_command(run_dir, task, reward, coef, seed, steps, extra):
 
 def run_file(run_dir, name):
     """The path of run_dir's file name, or of its gzipped copy where only that is there: results/ keeps
-    episodes.jsonl and messages.tsv gzipped, most of a run's bytes. Without either, the plain name: an error
+    episodes.jsonl, messages.tsv and labels.jsonl gzipped, most of a run's bytes. Without either, the plain name: an error
     reading it names the file a run writes."""
     path = os.path.join(run_dir, name)
     return path + ".gz" if not os.path.exists(path) and os.path.exists(path + ".gz") else path

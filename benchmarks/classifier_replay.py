@@ -24,11 +24,14 @@ reward_models.py); `--set NAME=VALUE` sets a constant of reward_models.py (a can
 the classifier steps as pay weights."""
 import argparse
 import functools
+import gzip
 import itertools
 import json
 import os
 import re
+import shutil
 import sys
+import tempfile
 
 import common
 
@@ -59,7 +62,7 @@ def replay(run, seed, sets, weigh, hand_path, top=5):
         owner = functools.reduce(getattr, path, rm)
         setattr(owner, attr, type(getattr(owner, attr))(value))
     messages = runs.read_messages(run)
-    records = [r for r in annotator.read_labels(runs.run_file(run, annotator.LABELS_FILE))
+    records = [r for r in annotator.read_labels(os.path.join(run, annotator.LABELS_FILE))
                if r.get("label") is not None]
     shown = {r["caption"]: messages.get(" ".join(r["caption"].split()))  # (tsv: spaces folded)
              for r in records}
@@ -119,6 +122,19 @@ def replay(run, seed, sets, weigh, hand_path, top=5):
                                   sorted(against.items(), key=lambda item: -item[1])[:top]]}
 
 
+def plain_labels(run, tmp):
+    """The run dir, or a copy of it in tmp with labels.jsonl plain: results/ keeps it gzipped, and the replay
+    reads it with the annotator of its tree, which in a baseline's may read only the plain file."""
+    gz = os.path.join(run, "labels.jsonl.gz")
+    if os.path.exists(os.path.join(run, "labels.jsonl")) or not os.path.exists(gz):
+        return os.path.abspath(run)
+    copy = os.path.join(tmp, str(len(os.listdir(tmp))))
+    shutil.copytree(run, copy, ignore=shutil.ignore_patterns("labels.jsonl.gz"))
+    with gzip.open(gz, "rb") as f, open(os.path.join(copy, "labels.jsonl"), "wb") as out:
+        shutil.copyfileobj(f, out)
+    return copy
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("runs", nargs="+", help="classification run directories (labels.jsonl, messages.tsv)")
@@ -145,17 +161,19 @@ def main():
           f"kept, unhelpful share (run avg / end / by hand labels)\n| code | run | model steps | gate on | "
           "accuracy on its labels | helpful pay kept | unhelpful pay share | helpful steps kept | unhelpful "
           "steps share |\n|---|---|---|---|---|---|---|---|---|", flush=True)
-    for run, (name, tree) in itertools.product(args.runs, trees.items()):
-        case = [sys.executable, __file__, os.path.abspath(run), "--case", tree, "--seed", str(args.seed),
-                "--weigh", args.weigh, *(["--hand", args.hand] if args.hand else []), "--set", *args.set]
-        r = common.run_json(case, tree, run)
-        print(f"| {name} | {run} | {r['model_steps']} | {r['on']:.2f} of {r['publications']} | "
-              f"{r['accuracy']:.3f} ({r['wrong_labels']} wrong) | {r['pay_kept']:.3f} / "
-              f"{r['end_kept']:.3f} / {r['hand_kept']:.3f} | {r['pay_against']:.3f} / "
-              f"{r['end_against']:.3f} / {r['hand_against']:.3f} | {r['steps_kept']:.3f} | "
-              f"{r['steps_against']:.3f} |", flush=True)
-        paid = "; ".join(f"{t!r} {v:.1%}" for t, v in r["most_paid_against"])
-        print(f"    paid most against its label: {paid}", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:  # the runs whose labels a baseline needs plain
+        plain = {run: plain_labels(run, tmp) for run in args.runs}
+        for run, (name, tree) in itertools.product(args.runs, trees.items()):
+            case = [sys.executable, __file__, plain[run], "--case", tree, "--seed", str(args.seed),
+                    "--weigh", args.weigh, *(["--hand", args.hand] if args.hand else []), "--set", *args.set]
+            r = common.run_json(case, tree, run)
+            print(f"| {name} | {run} | {r['model_steps']} | {r['on']:.2f} of {r['publications']} | "
+                  f"{r['accuracy']:.3f} ({r['wrong_labels']} wrong) | {r['pay_kept']:.3f} / "
+                  f"{r['end_kept']:.3f} / {r['hand_kept']:.3f} | {r['pay_against']:.3f} / "
+                  f"{r['end_against']:.3f} / {r['hand_against']:.3f} | {r['steps_kept']:.3f} | "
+                  f"{r['steps_against']:.3f} |", flush=True)
+            paid = "; ".join(f"{t!r} {v:.1%}" for t, v in r["most_paid_against"])
+            print(f"    paid most against its label: {paid}", flush=True)
 
 
 if __name__ == "__main__":

@@ -3,8 +3,8 @@
 A message's pay weight is what an R of 1 would have paid it under the count normalization: 1 / N^beta summed
 over its steps, N its sightings so far in the episode. It is close to the number of episodes it was seen in,
 so a message on 1% of the steps, seen once an episode, can weigh more than a wall bumped into fifty times an
-episode: messages.tsv's `firsts` column. A run's messages.tsv may be gzipped (messages.tsv.gz: results/ keeps
-it so); learning_curves.py reads either."""
+episode: messages.tsv's `firsts` column. A run's messages.tsv and labels.jsonl may be gzipped (.gz: results/
+keeps them so); each is read by either name (learning_curves.run_file)."""
 import os
 import sys
 from dataclasses import dataclass

@@ -105,6 +105,11 @@ def test_runs_reads_the_labels_of_a_run_still_writing_them(tmp_path):
     cut.write_bytes((tmp_path / "labels.jsonl.gz").read_bytes()[:30])
     with pytest.raises(SystemExit, match="cannot read labels from .*labels.jsonl.gz: Compressed file ended"):
         runs.llm_labels(str(cut.parent))
+    data = bytearray((tmp_path / "labels.jsonl.gz").read_bytes())  # ... or damaged
+    data[12:15] = b"\xff\xff\xff"
+    cut.write_bytes(bytes(data))
+    with pytest.raises(SystemExit, match="cannot read labels from .*labels.jsonl.gz: "):
+        runs.llm_labels(str(cut.parent))
 
 
 def test_label_scale_prints_each_figure_of_each_case():
@@ -173,6 +178,7 @@ def test_classifier_replay_replays_a_run_s_labels_through_the_classifier_and_its
     """A run dir of 60 labels (wall-like messages on most steps) replayed: the trainer's schedule, a gate
     verdict per burst, and the shares of pay and steps the classifier gives each class of its labels."""
     write_classifier_run(tmp_path)
+    subprocess.run(["gzip", "-n", "-9", str(tmp_path / "labels.jsonl")], check=True)  # as results/ keeps it
     result = subprocess.run([sys.executable, "benchmarks/classifier_replay.py", str(tmp_path)], cwd=ROOT,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
@@ -203,6 +209,14 @@ def test_classifier_replay_s_baseline_side_replays_on_the_baseline_tree_s_code(t
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     assert json.loads(result.stdout.splitlines()[-1])["model_steps"] == 16 + int(35 * 0.64)
+    # A baseline's annotator may read labels.jsonl only plain: a gzipped run goes to it as a plain copy.
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import classifier_replay
+    plain = (run / "labels.jsonl").read_bytes()
+    subprocess.run(["gzip", "-n", "-9", str(run / "labels.jsonl")], check=True)
+    copy = classifier_replay.plain_labels(str(run), str(tmp_path))
+    assert sorted(os.listdir(copy)) == ["labels.jsonl", "messages.tsv", "summary.json"]
+    assert open(os.path.join(copy, "labels.jsonl"), "rb").read() == plain
 
 
 def test_learner_time_refuses_a_flag_of_the_other_mode_instead_of_ignoring_it():
@@ -266,6 +280,8 @@ def test_reward_model_cost_times_a_step_and_a_publication_on_the_run_s_own_label
         (run / "summary.json").write_text(json.dumps({"sessions": [{"flags": {"reward_type": reward_type}}],
                                                       "reward_model_steps": 300, "wall_time_s": 600.0}))
         (run / "labels.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        if reward_type == "ranking":  # as results/ keeps it
+            subprocess.run(["gzip", "-n", "-9", str(run / "labels.jsonl")], check=True)
         (run / "messages.tsv").write_text("message\tsteps\tlabel\treward_now\tpaid\tfirsts\n" + "".join(
             f"{m}\t{10 * (i + 1)}\t\t0\t0\t{i + 1}\n" for i, m in enumerate(kills + bites)))
         result = subprocess.run([sys.executable, "benchmarks/reward_model_cost.py", str(run), "--steps", "2"],

@@ -5,6 +5,7 @@
     python learning_curves.py --steps 2e9 -- --llm-url http://gpu:8000/v1   # the paper's scale
     python learning_curves.py --plot results/curves/free_none runs/some_run  # only plot
     python learning_curves.py --plot results/five_2m/free_ranking --until 1e6   # its tables at 1M steps
+    python learning_curves.py --plot results/stairs_2m/* --until 1e6 --eval-from earlier_1  # + its 1M evals
     python learning_curves.py --eval results/curves/score_extrinsic results/curves/free_ranking
     python learning_curves.py --eval results/curves/free_retrieval --record   # + first episode's replay
 
@@ -103,8 +104,8 @@ def run_command(run_dir, task, reward, coef, seed, steps, extra):
 
 def run_file(run_dir, name):
     """The path of run_dir's file name, or of its gzipped copy where only that is there: results/ keeps
-    episodes.jsonl, messages.tsv and labels.jsonl gzipped, most of a run's bytes. Without either, the plain name: an error
-    reading it names the file a run writes."""
+    episodes.jsonl, messages.tsv and labels.jsonl gzipped, most of a run's bytes. Without either, the plain
+    name: an error reading it names the file a run writes."""
     path = os.path.join(run_dir, name)
     return path + ".gz" if not os.path.exists(path) and os.path.exists(path + ".gz") else path
 
@@ -258,9 +259,11 @@ def load_runs(dirs):
             for name, seeds in run_dirs(dirs).items()}
 
 
-def load_evaluations(dirs):
-    """{config name: [evaluated episodes of each seed]} for the configs whose every seed has its eval.json."""
-    paths = {name: [os.path.join(d, "eval.json") for d in seeds] for name, seeds in run_dirs(dirs).items()}
+def load_evaluations(dirs, under=""):
+    """{config name: [evaluated episodes of each seed]} for the configs whose every seed has its eval.json
+    (`under`: in that folder of each run, e.g. earlier_1 for the evaluation before a resume)."""
+    paths = {name: [os.path.join(d, under, "eval.json") for d in seeds]
+             for name, seeds in run_dirs(dirs).items()}
     return {name: [read_json(p)["episodes"] for p in files] for name, files in paths.items()
             if all(os.path.exists(p) for p in files)}
 
@@ -451,10 +454,10 @@ def plot(runs, path):
     plt.close(fig)
 
 
-def report(dirs, out, figure, until=None):
+def report(dirs, out, figure, until=None, eval_from=None):
     """Writes the figure and OUT/curves.md, prints the table. With `until`, the runs as they stood at that
     many steps (their episodes that ended by then) in OUT/curves_until_<STEPS in millions>M.md alone: no
-    figure, and no evaluations, which are of the policy at a run's end."""
+    figure, and no evaluation but those of each run's `eval_from` folder (eval.json is of its last policy)."""
     os.makedirs(out, exist_ok=True)
     runs, markdown = load_runs(dirs), os.path.join(out, "curves.md")
     if until is not None:
@@ -470,11 +473,12 @@ def report(dirs, out, figure, until=None):
     unsuccessful = {name for name, seeds in seeds_of.items() if all(map(without_success, seeds))}
     if until is None:
         plot(runs, figure)
-    evaluations = load_evaluations(dirs) if until is None else {}
+    evaluations = load_evaluations(dirs, eval_from or "") if until is None or eval_from else {}
     against, evaluated = comparisons(runs), comparisons(evaluations, window=None)
     games = "/".join(map(str, sorted({len(g) for seeds in evaluations.values() for g in seeds})))
+    evaluated_from = f"; the evaluated games: each run's {eval_from}/eval.json" if eval_from else ""
     text = "" if until is None else (f"The runs up to {until:,} steps: the episodes that ended by then (the "
-                                     "commits: those of the whole run).\n\n")
+                                     f"commits: those of the whole run){evaluated_from}.\n\n")
     text += table(runs, made, unsuccessful, "whole run" if until is None else f"by {until:,} steps")
     text += f"\nThe last {WINDOW} episodes of training against the baselines:\n\n{against}" if against else ""
     if evaluated:
@@ -577,6 +581,9 @@ def main(argv=None):
     parser.add_argument("--until", type=steps_count, default=None, metavar="STEPS",
                         help="with --plot: only the tables of the episodes that ended by STEPS (accepts 1e6) "
                         "into OUT/curves_until_<STEPS in millions>M.md, e.g. a 2M-step run at 1M")
+    parser.add_argument("--eval-from", default=None, metavar="FOLDER",
+                        help="with --until: the evaluations in each run's FOLDER/eval.json, e.g. earlier_1 "
+                        "(the evaluation of the policy a resume continued)")
     parser.add_argument("--eval", nargs="+", metavar="DIR", help="only evaluate these config or run dirs "
                         "(trained policy and random actions, --eval-episodes each) into OUT/eval.md")
     parser.add_argument("--eval-episodes", type=int, default=20)
@@ -589,9 +596,11 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.until is not None and (not args.plot or args.figure):
         parser.error("--until goes with --plot, and makes no figure")
+    if args.eval_from and args.until is None:
+        parser.error("--eval-from goes with --until")
     if args.plot or args.eval:
         if args.plot:
-            report(args.plot, args.out, args.figure, args.until)
+            report(args.plot, args.out, args.figure, args.until, args.eval_from)
         if args.eval:  # The table at the end, whole: a failure halfway keeps the last one.
             os.makedirs(args.out, exist_ok=True)
             table, failures = evaluate(args.eval, args.eval_episodes, args.record)

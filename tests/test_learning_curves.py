@@ -90,11 +90,13 @@ def test_table_and_figure(tmp_path, capsys):
 
 
 def test_until_reads_the_runs_as_they_stood_at_that_step_and_writes_no_figure(tmp_path, capsys):
-    """A 2M-step run's tables at 1M: the last 100 episodes ended by then (one ending at the step included), not
-    the run's last 100, and no evaluation, which is of the policy at the run's end."""
+    """A 2M-step run's tables at 1M: the last 100 episodes ended by then (one ending at the step included),
+    not the run's last 100, and no evaluation, which is of the policy at the run's end, unless --eval-from
+    names the folder of the one made at that step (earlier_1: the evaluation before a resume)."""
     dirs = synthetic(tmp_path)
     for seed in (1, 2):
-        (tmp_path / "cfg" / f"seed{seed}" / "eval.json").write_text(json.dumps({"episodes": [{"success": 1}]}))
+        run = tmp_path / "cfg" / f"seed{seed}"
+        (run / "eval.json").write_text(json.dumps({"episodes": [{"success": 1}]}))
     for name in ("stairs_task", "stairs_ranking"):  # A config and its baseline: their evaluations compare.
         shutil.copytree(tmp_path / "cfg", tmp_path / name)
     pair, out = [str(tmp_path / "stairs_task"), str(tmp_path / "stairs_ranking")], tmp_path / "pair"
@@ -102,6 +104,15 @@ def test_until_reads_the_runs_as_they_stood_at_that_step_and_writes_no_figure(tm
     assert "evaluated games" in open(out / "curves.md").read()
     assert lc.main(["--plot", *pair, "--out", str(out), "--until", "2e5"]) == 0
     assert "evaluated games" not in open(out / "curves_until_0.2M.md").read()
+    for name, success in (("stairs_task", 1), ("stairs_ranking", 0)):  # at 0.2M: the ranking lost them all
+        for seed in (1, 2):
+            (tmp_path / name / f"seed{seed}" / "earlier_1").mkdir()
+            (tmp_path / name / f"seed{seed}" / "earlier_1" / "eval.json").write_text(
+                json.dumps({"episodes": [{"success": success}]}))
+    assert lc.main(["--plot", *pair, "--out", str(out), "--until", "2e5", "--eval-from", "earlier_1"]) == 0
+    text = open(out / "curves_until_0.2M.md").read()
+    assert "the evaluated games: each run's earlier_1/eval.json" in text
+    assert rows(text.split("against the baselines:\n\n")[2])["stairs_ranking"]["gap of means"] == "-100.00"
     capsys.readouterr()
     out = tmp_path / "out"
     assert lc.main(["--plot", *dirs, "--out", str(out), "--until", "150001"]) == 0
@@ -118,7 +129,7 @@ def test_until_reads_the_runs_as_they_stood_at_that_step_and_writes_no_figure(tm
     with pytest.raises(SystemExit, match="no episode by 500 steps"):
         lc.main(["--plot", *dirs, "--out", str(out), "--until", "500"])
     for argv in (["--until", "1e6"], ["--plot", *dirs, "--until", "1e6", "--figure", "x.png"],
-                 ["--plot", *dirs, "--until", "inf"]):
+                 ["--plot", *dirs, "--until", "inf"], ["--plot", *dirs, "--eval-from", "earlier_1"]):
         with pytest.raises(SystemExit):  # argparse's usage error, not a traceback
             lc.main(argv)
         assert "usage" in capsys.readouterr().err

@@ -5,7 +5,7 @@
     python learning_curves.py --steps 2e9 -- --llm-url http://gpu:8000/v1   # the paper's scale
     python learning_curves.py --plot results/curves/free_none runs/some_run  # only plot
     python learning_curves.py --plot results/five_2m/free_ranking --until 1e6   # its tables at 1M steps
-    python learning_curves.py --plot results/stairs_2m/* --until 1e6 --eval-from earlier_1  # + its 1M evals
+    python learning_curves.py --plot results/five_2m/free_* --until 1e6 --eval-from earlier_1  # + 1M evals
     python learning_curves.py --eval results/curves/score_extrinsic results/curves/free_ranking
     python learning_curves.py --eval results/curves/free_retrieval --record   # + first episode's replay
 
@@ -31,7 +31,8 @@ commits that made each seed (its summary.json's sessions; "+": with uncommitted 
 config against its baselines (on the Score task its score against the control and the score-trained agent, on
 a sparse task its success in percent against its task reward alone), over the last 100 episodes of training
 and, once every seed has its eval.json, over all the evaluated games: "beats" only beyond the larger std
-(ddof 1) over seeds, and whether the seeds overlap.
+(ddof 1) over seeds, and whether the seeds overlap. --until STEPS: the same tables of the episodes that ended
+by STEPS (a longer run as it stood then), with the evaluations in each run's --eval-from folder if given.
 --eval-after N evaluates each run as soon as it is complete (and a complete one not yet evaluated), while its
 checkpoint, which is not committed, is still there. --eval --record also writes the replay of each run's first
 evaluated episode (evaluate.py --record) to RUN/replay and RUN/replay_random: episode0.html and NLE's
@@ -473,10 +474,14 @@ def report(dirs, out, figure, until=None, eval_from=None):
     unsuccessful = {name for name, seeds in seeds_of.items() if all(map(without_success, seeds))}
     if until is None:
         plot(runs, figure)
+    if eval_from and (missing := [d for seeds in seeds_of.values() for d in seeds
+                                  if not os.path.exists(os.path.join(d, eval_from, "eval.json"))]):
+        raise SystemExit(f"error: no {eval_from}/eval.json in {', '.join(missing)}")
     evaluations = load_evaluations(dirs, eval_from or "") if until is None or eval_from else {}
     against, evaluated = comparisons(runs), comparisons(evaluations, window=None)
     games = "/".join(map(str, sorted({len(g) for seeds in evaluations.values() for g in seeds})))
-    evaluated_from = f"; the evaluated games: each run's {eval_from}/eval.json" if eval_from else ""
+    evaluated_from = (f"; the evaluated games: each run's {eval_from}/eval.json, taken to be of the policy "
+                      "at that step (an eval.json records no step)") if eval_from else ""
     text = "" if until is None else (f"The runs up to {until:,} steps: the episodes that ended by then (the "
                                      f"commits: those of the whole run){evaluated_from}.\n\n")
     text += table(runs, made, unsuccessful, "whole run" if until is None else f"by {until:,} steps")
@@ -565,6 +570,12 @@ def steps_count(text):  # A count of env steps as the flags take it: 2e9, 100000
         raise argparse.ArgumentTypeError(f"not a number of steps: {text!r}") from None
 
 
+def run_folder(text):  # A folder's name inside each run dir, as learning_curves names them: earlier_1.
+    if text in ("", ".", "..") or os.path.basename(text) != text:
+        raise argparse.ArgumentTypeError(f"not the name of a folder inside a run: {text!r}")
+    return text
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
@@ -581,9 +592,9 @@ def main(argv=None):
     parser.add_argument("--until", type=steps_count, default=None, metavar="STEPS",
                         help="with --plot: only the tables of the episodes that ended by STEPS (accepts 1e6) "
                         "into OUT/curves_until_<STEPS in millions>M.md, e.g. a 2M-step run at 1M")
-    parser.add_argument("--eval-from", default=None, metavar="FOLDER",
+    parser.add_argument("--eval-from", type=run_folder, default=None, metavar="FOLDER",
                         help="with --until: the evaluations in each run's FOLDER/eval.json, e.g. earlier_1 "
-                        "(the evaluation of the policy a resume continued)")
+                        "(the evaluation of the policy a resume continued; its step is not checked)")
     parser.add_argument("--eval", nargs="+", metavar="DIR", help="only evaluate these config or run dirs "
                         "(trained policy and random actions, --eval-episodes each) into OUT/eval.md")
     parser.add_argument("--eval-episodes", type=int, default=20)

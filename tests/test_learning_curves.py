@@ -109,10 +109,17 @@ def test_until_reads_the_runs_as_they_stood_at_that_step_and_writes_no_figure(tm
             (tmp_path / name / f"seed{seed}" / "earlier_1").mkdir()
             (tmp_path / name / f"seed{seed}" / "earlier_1" / "eval.json").write_text(
                 json.dumps({"episodes": [{"success": success}]}))
-    assert lc.main(["--plot", *pair, "--out", str(out), "--until", "2e5", "--eval-from", "earlier_1"]) == 0
+    for name in ("stairs_task", "stairs_ranking"):  # Its name as given: another folder than earlier_1.
+        for seed in (1, 2):
+            run = tmp_path / name / f"seed{seed}"
+            os.rename(run / "earlier_1", run / "at_1m")
+    assert lc.main(["--plot", *pair, "--out", str(out), "--until", "2e5", "--eval-from", "at_1m"]) == 0
     text = open(out / "curves_until_0.2M.md").read()
-    assert "the evaluated games: each run's earlier_1/eval.json" in text
+    assert "the evaluated games: each run's at_1m/eval.json" in text
     assert rows(text.split("against the baselines:\n\n")[2])["stairs_ranking"]["gap of means"] == "-100.00"
+    os.remove(tmp_path / "stairs_ranking" / "seed2" / "at_1m" / "eval.json")  # A seed without: no reading.
+    with pytest.raises(SystemExit, match=r"no at_1m/eval.json in .*stairs_ranking/seed2$"):
+        lc.main(["--plot", *pair, "--out", str(out), "--until", "2e5", "--eval-from", "at_1m"])
     capsys.readouterr()
     out = tmp_path / "out"
     assert lc.main(["--plot", *dirs, "--out", str(out), "--until", "150001"]) == 0
@@ -129,7 +136,9 @@ def test_until_reads_the_runs_as_they_stood_at_that_step_and_writes_no_figure(tm
     with pytest.raises(SystemExit, match="no episode by 500 steps"):
         lc.main(["--plot", *dirs, "--out", str(out), "--until", "500"])
     for argv in (["--until", "1e6"], ["--plot", *dirs, "--until", "1e6", "--figure", "x.png"],
-                 ["--plot", *dirs, "--until", "inf"], ["--plot", *dirs, "--eval-from", "earlier_1"]):
+                 ["--plot", *dirs, "--until", "inf"], ["--plot", *dirs, "--eval-from", "earlier_1"],
+                 ["--plot", *dirs, "--until", "1e6", "--eval-from", "/abs"],
+                 ["--plot", *dirs, "--until", "1e6", "--eval-from", "."]):
         with pytest.raises(SystemExit):  # argparse's usage error, not a traceback
             lc.main(argv)
         assert "usage" in capsys.readouterr().err

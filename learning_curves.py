@@ -72,7 +72,24 @@ CONFIGS = {
        for prefix, task in SPARSE.items()
        for name in ("task", "retrieval", "classification", "ranking", "ellm")},
 }
-METRICS = ["score", "steps", "depth", "success", "kills", "explored", "intrinsic_return"]
+
+
+def _per_episode(key, scale=1):
+    return lambda episodes: scale * mean([e.get(key, np.nan) for e in episodes])
+
+
+def _per_step(key, scale):  # Over the episodes' steps summed: per step, a longer life is no edge in itself.
+    return lambda episodes: scale * sum(e.get(key, 0) for e in episodes) / sum(e["steps"] for e in episodes)
+
+
+# The figure's panels: in each bin, a seed's value over the episodes that ended there; per step beside per
+# episode, as the tables read them.
+PANELS = {"score": _per_episode("score"), "score / 1,000 steps": _per_step("score", 1e3),
+          "episode steps": _per_episode("steps"), "depth": _per_episode("depth"),
+          "success (% of episodes)": _per_episode("success", 100),
+          "successes / 1M steps": _per_step("success", 1e6),
+          "kills": _per_episode("kills"), "explored": _per_episode("explored"),
+          "intrinsic return": _per_episode("intrinsic_return")}
 TITLES = {"xlvl": "experience level", "intrinsic_rewarded_fraction": "share of an episode's steps paid",
           "steps": "episode steps"}
 BINS, WINDOW = 25, 100
@@ -408,17 +425,16 @@ def comparisons(runs, window=WINDOW):
     return "\n".join(lines) + "\n" if len(lines) > 2 else ""
 
 
-def binned(seeds, metric):
-    """Bin centers and a [seed, bin] array of per-bin means (NaN where a seed has no episode)."""
+def binned(seeds, value):
+    """Bin centers and a [seed, bin] array of value(the episodes that ended in a bin), NaN where none did."""
     edges = np.linspace(0, max(e["env_steps"] for s in seeds for e in s), BINS + 1)
-    means = np.full((len(seeds), BINS), np.nan)
+    values = np.full((len(seeds), BINS), np.nan)
     for i, s in enumerate(seeds):
-        x = np.array([e["env_steps"] for e in s])
-        y = np.array([e.get(metric, np.nan) for e in s], dtype=float)
-        which = np.clip(np.searchsorted(edges, x, side="right") - 1, 0, BINS - 1)
+        ends = [e["env_steps"] for e in s]
+        which = np.clip(np.searchsorted(edges, ends, side="right") - 1, 0, BINS - 1)
         for b in np.unique(which):
-            means[i, b] = mean(y[which == b])
-    return (edges[:-1] + edges[1:]) / 2, means
+            values[i, b] = value([e for e, w in zip(s, which) if w == b])
+    return (edges[:-1] + edges[1:]) / 2, values
 
 
 def plot(runs, path):
@@ -427,24 +443,24 @@ def plot(runs, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 4, figsize=(19, 8.5))
     succeeded = any(e.get("success") for seeds in runs.values() for episodes in seeds for e in episodes)
-    metrics = [m for m in METRICS if m != "success" or succeeded]  # No panel of zeros on the Score task.
-    for ax in axes.flat[len(metrics):]:
+    panels = {title: value for title, value in PANELS.items()  # No panels of zeros on the Score task.
+              if succeeded or not title.startswith("success")}
+    columns = (len(panels) + 2) // 2  # Two rows, the legend in the last cell.
+    fig, axes = plt.subplots(2, columns, figsize=(4.75 * columns, 8.5))
+    for ax in axes.flat[len(panels):]:
         ax.axis("off")
-    for ax, metric in zip(axes.flat, metrics):
+    for ax, (title, value) in zip(axes.flat, panels.items()):
         for k, (name, seeds) in enumerate(runs.items()):
-            x, means = binned(seeds, metric)
-            means *= 100 if metric == "success" else 1  # In percent, as in the tables.
+            x, values = binned(seeds, value)
             color, label = f"C{k}", f"{name} ({len(seeds)} seed{'s' * (len(seeds) > 1)})"
             with warnings.catch_warnings():  # bins no seed reached are NaN: gaps in the line
                 warnings.simplefilter("ignore", RuntimeWarning)
-                ax.plot(x, np.nanmean(means, axis=0), color=color, label=label)
+                ax.plot(x, np.nanmean(values, axis=0), color=color, label=label)
                 if len(seeds) > 1:
-                    ax.fill_between(x, np.nanmin(means, axis=0), np.nanmax(means, axis=0), color=color,
+                    ax.fill_between(x, np.nanmin(values, axis=0), np.nanmax(values, axis=0), color=color,
                                     alpha=0.2)
-        ax.set_title({"steps": "episode steps", "success": "success (% of episodes)"}.get(
-            metric, metric.replace("_", " ")))
+        ax.set_title(title)
         ax.set_xlabel("env steps")
         ax.grid(alpha=0.3)
     handles, labels = axes.flat[0].get_legend_handles_labels()

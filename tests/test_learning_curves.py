@@ -89,6 +89,20 @@ def test_table_and_figure(tmp_path, capsys):
     assert len(png) > 1000 and png[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_the_figure_reads_success_and_score_per_step_beside_per_episode():
+    """A bin's per-step value is its episodes' successes (score) over their steps summed: one success in a
+    10-step and a 30-step episode is 25,000 a million steps, not the 50,000 of a mean of each episode's
+    ratio; per episode it is 50%. The Score task, with no success, gets no success panels."""
+    seed = [{"steps": 10, "score": 4, "success": 1, "env_steps": 40 * k + 10} for k in range(lc.BINS)]
+    seed += [{"steps": 30, "score": 0, "success": 0, "env_steps": 40 * k + 20} for k in range(lc.BINS)]
+    seed.sort(key=lambda e: e["env_steps"])  # two episodes in each of the bins
+    values = {title: lc.binned([seed], value)[1][0] for title, value in lc.PANELS.items()}
+    assert np.allclose(values["successes / 1M steps"], 25_000)
+    assert np.allclose(values["success (% of episodes)"], 50)
+    assert np.allclose(values["score / 1,000 steps"], 100) and np.allclose(values["score"], 2)
+    assert np.allclose(values["episode steps"], 20) and np.isnan(values["depth"]).all()
+
+
 def test_until_reads_the_runs_as_they_stood_at_that_step_and_writes_no_figure(tmp_path, capsys):
     """A 2M-step run's tables at 1M: the last 100 episodes ended by then (one ending at the step included),
     not the run's last 100, and no evaluation, which is of the policy at the run's end, unless --eval-from

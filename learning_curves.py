@@ -6,6 +6,7 @@
     python learning_curves.py --plot results/curves/free_none runs/some_run  # only plot
     python learning_curves.py --plot results/five_2m/free_ranking --until 1e6   # its tables at 1M steps
     python learning_curves.py --plot results/five_2m/free_* --until 1e6 --eval-from earlier_1  # + 1M evals
+    python learning_curves.py --plot results/five_2m/free_* --since 1e6   # the episodes of its second million
     python learning_curves.py --eval results/curves/score_extrinsic results/curves/free_ranking
     python learning_curves.py --eval results/curves/free_retrieval --record   # + first episode's replay
 
@@ -24,15 +25,17 @@ run (its episodes gzipped, episodes.jsonl.gz, as results/ keeps them) is skipped
 Everything after `--` goes verbatim to oni_appo.py. OUT/wall_times.json holds each run's wall time.
 
 Plotting takes config dirs (holding seed*/episodes.jsonl or .gz) or run dirs (holding episodes.jsonl or .gz).
-OUT/curves.png: score, kills, depth, explored and intrinsic return against env steps; per seed the
-episodes' means in 25 equal bins of env steps, per config the mean over seeds (line) and their
-min-max (shaded). OUT/curves.md: per config the last-100-episode means (mean ± std over seeds) and the
+OUT/curves.png: score and success per episode and per step, episode length, depth, kills, explored and
+intrinsic return against env steps; per seed the value over the episodes that ended in each of 25 equal bins
+of env steps, per config the mean over seeds (line) and their min-max (shaded).
+OUT/curves.md: per config the last-100-episode means (mean ± std over seeds) and the
 commits that made each seed (its summary.json's sessions; "+": with uncommitted changes); below it, each
 config against its baselines (on the Score task its score against the control and the score-trained agent, on
 a sparse task its success in percent against its task reward alone), over the last 100 episodes of training
 and, once every seed has its eval.json, over all the evaluated games: "beats" only beyond the larger std
 (ddof 1) over seeds, and whether the seeds overlap. --until STEPS: the same tables of the episodes that ended
-by STEPS (a longer run as it stood then), with the evaluations in each run's --eval-from folder if given.
+by STEPS (a longer run as it stood then), with the evaluations in each run's --eval-from folder if given;
+--since STEPS: of those that ended after STEPS (a resumed run's new leg), with the final evaluations.
 --eval-after N evaluates each run as soon as it is complete (and a complete one not yet evaluated), while its
 checkpoint, which is not committed, is still there. --eval --record also writes the replay of each run's first
 evaluated episode (evaluate.py --record) to RUN/replay and RUN/replay_random: episode0.html and NLE's
@@ -471,24 +474,30 @@ def plot(runs, path):
     plt.close(fig)
 
 
-def report(dirs, out, figure, until=None, eval_from=None):
-    """Writes the figure and OUT/curves.md, prints the table. With `until`, the runs as they stood at that
-    many steps (their episodes that ended by then) in OUT/curves_until_<STEPS in millions>M.md alone: no
-    figure, and no evaluation but those of each run's `eval_from` folder (eval.json is of its last policy)."""
+def report(dirs, out, figure, until=None, eval_from=None, since=None):
+    """Writes the figure and OUT/curves.md, prints the table. With `until` or `since` (steps), only the tables
+    of the episodes that ended by `until` and after `since`, in OUT/curves_since_<M>M_until_<M>.md (M: the
+    steps in millions; the parts given); no figure, and with `until` no evaluation but those of each run's
+    `eval_from` folder (eval.json is of its last policy)."""
     os.makedirs(out, exist_ok=True)
-    runs, markdown = load_runs(dirs), os.path.join(out, "curves.md")
-    if until is not None:
-        runs = {name: [[e for e in s if e["env_steps"] <= until] for s in seeds]
+    runs, markdown, window = load_runs(dirs), os.path.join(out, "curves.md"), None
+    if until is not None or since is not None:
+        lo, hi = -1 if since is None else since, float("inf") if until is None else until
+        runs = {name: [[e for e in s if lo < e["env_steps"] <= hi] for s in seeds]
                 for name, seeds in runs.items()}
+        # In millions, exact: 1.5e6 -> 1.5, 50 -> 0.00005.
+        millions = lambda n: np.format_float_positional(n / 1e6, trim="-")
+        given = [(word, n) for word, n in (("since", since), ("until", until)) if n is not None]
+        parts = [f"{word}_{millions(n)}M" for word, n in given]
+        window = ", ".join(f"{'after' if word == 'since' else 'by'} {n:,} steps" for word, n in given)
         if not all(s for seeds in runs.values() for s in seeds):
-            raise SystemExit(f"error: a run of {', '.join(runs)} has no episode by {until:,} steps")
-        millions = np.format_float_positional(until / 1e6, trim="-")  # Exact: 1.5e6 -> 1.5, 50 -> 0.00005.
-        markdown = os.path.join(out, f"curves_until_{millions}M.md")
+            raise SystemExit(f"error: a run of {', '.join(runs)} has no episode {window}")
+        markdown = os.path.join(out, f"curves_{'_'.join(parts)}.md")
     figure = figure or os.path.join(out, "curves.png")
     seeds_of = run_dirs(dirs)
     made = {name: [commits(d) for d in seeds] for name, seeds in seeds_of.items()}
     unsuccessful = {name for name, seeds in seeds_of.items() if all(map(without_success, seeds))}
-    if until is None:
+    if window is None:
         plot(runs, figure)
     if eval_from and (missing := [d for seeds in seeds_of.values() for d in seeds
                                   if not os.path.exists(os.path.join(d, eval_from, "eval.json"))]):
@@ -498,15 +507,15 @@ def report(dirs, out, figure, until=None, eval_from=None):
     games = "/".join(map(str, sorted({len(g) for seeds in evaluations.values() for g in seeds})))
     evaluated_from = (f"; the evaluated games: each run's {eval_from}/eval.json, taken to be of the policy "
                       "at that step (an eval.json records no step)") if eval_from else ""
-    text = "" if until is None else (f"The runs up to {until:,} steps: the episodes that ended by then (the "
-                                     f"commits: those of the whole run){evaluated_from}.\n\n")
-    text += table(runs, made, unsuccessful, "whole run" if until is None else f"by {until:,} steps")
+    text = "" if window is None else (f"The runs' episodes that ended {window} (the commits: those of the "
+                                      f"whole run){evaluated_from}.\n\n")
+    text += table(runs, made, unsuccessful, window or "whole run")
     text += f"\nThe last {WINDOW} episodes of training against the baselines:\n\n{against}" if against else ""
     if evaluated:
         text += f"\nThe evaluated games ({games} a seed) against the baselines:\n\n{evaluated}"
     with open(markdown, "w") as f:
         f.write(text)
-    print(text + (f"figure: {figure}; " if until is None else "") + f"table: {markdown}")
+    print(text + (f"figure: {figure}; " if window is None else "") + f"table: {markdown}")
 
 
 def random_games(run_dir):
@@ -608,6 +617,9 @@ def main(argv=None):
     parser.add_argument("--until", type=steps_count, default=None, metavar="STEPS",
                         help="with --plot: only the tables of the episodes that ended by STEPS (accepts 1e6) "
                         "into OUT/curves_until_<STEPS in millions>M.md, e.g. a 2M-step run at 1M")
+    parser.add_argument("--since", type=steps_count, default=None, metavar="STEPS",
+                        help="with --plot: only the tables of the episodes that ended after STEPS, e.g. a "
+                        "resumed run's second million, with the final evaluations (with --until: between)")
     parser.add_argument("--eval-from", type=run_folder, default=None, metavar="FOLDER",
                         help="with --until: the evaluations in each run's FOLDER/eval.json, e.g. earlier_1 "
                         "(the evaluation of the policy a resume continued; its step is not checked)")
@@ -621,13 +633,14 @@ def main(argv=None):
                         help="with --eval: also the replay of each run's first "
                         "episode, trained and random, in RUN/replay and RUN/replay_random")
     args = parser.parse_args(argv)
-    if args.until is not None and (not args.plot or args.figure):
-        parser.error("--until goes with --plot, and makes no figure")
+    for flag, value in (("--until", args.until), ("--since", args.since)):
+        if value is not None and (not args.plot or args.figure):
+            parser.error(f"{flag} goes with --plot, and makes no figure")
     if args.eval_from and args.until is None:
         parser.error("--eval-from goes with --until")
     if args.plot or args.eval:
         if args.plot:
-            report(args.plot, args.out, args.figure, args.until, args.eval_from)
+            report(args.plot, args.out, args.figure, args.until, args.eval_from, args.since)
         if args.eval:  # The table at the end, whole: a failure halfway keeps the last one.
             os.makedirs(args.out, exist_ok=True)
             table, failures = evaluate(args.eval, args.eval_episodes, args.record)

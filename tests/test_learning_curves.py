@@ -158,6 +158,43 @@ def test_until_reads_the_runs_as_they_stood_at_that_step_and_writes_no_figure(tm
         assert "usage" in capsys.readouterr().err
 
 
+def test_since_reads_the_episodes_of_a_runs_later_leg_with_its_final_evaluations(tmp_path, capsys):
+    """--since 1e6: a 2M-step run's second million, its episodes that ended after the step (one ending at it
+    left out), with the evaluations of the final policy, which ends that leg; with --until too, between the
+    two, and no evaluation."""
+    synthetic(tmp_path)
+    cfg, out = str(tmp_path / "cfg"), tmp_path / "out"
+    assert lc.main(["--plot", cfg, "--out", str(out), "--since", "150001"]) == 0
+    text = open(out / "curves_since_0.150001M.md").read()
+    assert text in capsys.readouterr().out and not (out / "curves.png").exists()
+    assert text.startswith("The runs' episodes that ended after 150,001 steps")
+    # cfg's episode i ends at 1000 (i + 1) + seed: after 150,001, seed 1's from i = 150, seed 2's from 149.
+    row = rows(text, 1)["cfg"]
+    assert row["score (first 100)"] == "204.00 ± 4.50" and row["score (last 100)"] == "254.50 ± 5.00"
+    assert rows(text, 3)["cfg"]["episodes (after 150,001 steps)"] == "150.50 ± 0.50"
+    assert lc.main(["--plot", cfg, "--out", str(out), "--since", "1e5", "--until", "2e5"]) == 0
+    assert rows(open(out / "curves_since_0.1M_until_0.2M.md").read(), 3)["cfg"][
+        "episodes (after 100,000 steps, by 200,000 steps)"] == "100.00 ± 0.00"
+    with pytest.raises(SystemExit, match="has no episode after 300,002 steps"):
+        lc.main(["--plot", cfg, "--out", str(out), "--since", "300002"])
+    for seed in (1, 2):
+        run = tmp_path / "cfg" / f"seed{seed}"
+        (run / "eval.json").write_text(json.dumps({"episodes": [{"success": 1}]}))
+    for name in ("stairs_task", "stairs_ranking"):  # A config and its baseline: their evaluations compare.
+        shutil.copytree(tmp_path / "cfg", tmp_path / name)
+    pair = [str(tmp_path / "stairs_task"), str(tmp_path / "stairs_ranking")]
+    assert lc.main(["--plot", *pair, "--out", str(out), "--since", "1e5"]) == 0
+    assert "evaluated games (1 a seed)" in open(out / "curves_since_0.1M.md").read()
+    assert lc.main(["--plot", *pair, "--out", str(out), "--since", "1e5", "--until", "2e5"]) == 0
+    assert "evaluated games" not in open(out / "curves_since_0.1M_until_0.2M.md").read()
+    capsys.readouterr()
+    for argv in (["--since", "1e6"], ["--plot", cfg, "--since", "1e6", "--figure", "x.png"],
+                 ["--plot", cfg, "--since", "1e6", "--eval-from", "earlier_1"]):
+        with pytest.raises(SystemExit):  # argparse's usage error, not a traceback
+            lc.main(argv)
+        assert "usage" in capsys.readouterr().err
+
+
 def test_tables_and_figures_load_no_torch(tmp_path):
     """Reading runs needs no torch (it takes seconds to import): run_files imports it only for checkpoints."""
     code = ("import sys, learning_curves as lc; lc.main(['--plot', *sys.argv[1:]]); "

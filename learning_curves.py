@@ -25,9 +25,9 @@ run (its episodes gzipped, episodes.jsonl.gz, as results/ keeps them) is skipped
 Everything after `--` goes verbatim to oni_appo.py. OUT/wall_times.json holds each run's wall time.
 
 Plotting takes config dirs (holding seed*/episodes.jsonl or .gz) or run dirs (holding episodes.jsonl or .gz).
-OUT/curves.png: score and success per episode and per step, episode length, depth, kills, explored and
-intrinsic return against env steps; per seed the value over the episodes that ended in each of 25 equal bins
-of env steps, per config the mean over seeds (line) and their min-max (shaded).
+OUT/curves.png: score and success (where some episode succeeded) per episode and per step, episode length,
+depth, kills, explored and intrinsic return against env steps; per seed the value over the episodes that
+ended in each of 25 equal bins of env steps, per config the mean over seeds (line) and their min-max (shaded).
 OUT/curves.md: per config the last-100-episode means (mean ± std over seeds) and the
 commits that made each seed (its summary.json's sessions; "+": with uncommitted changes); below it, each
 config against its baselines (on the Score task its score against the control and the score-trained agent, on
@@ -35,7 +35,8 @@ a sparse task its success in percent against its task reward alone), over the la
 and, once every seed has its eval.json, over all the evaluated games: "beats" only beyond the larger std
 (ddof 1) over seeds, and whether the seeds overlap. --until STEPS: the same tables of the episodes that ended
 by STEPS (a longer run as it stood then), with the evaluations in each run's --eval-from folder if given;
---since STEPS: of those that ended after STEPS (a resumed run's new leg), with the final evaluations.
+--since STEPS: of those that ended after STEPS (a resumed run's new leg), with the final evaluations; both:
+those that ended between, with no evaluation but --eval-from's.
 --eval-after N evaluates each run as soon as it is complete (and a complete one not yet evaluated), while its
 checkpoint, which is not committed, is still there. --eval --record also writes the replay of each run's first
 evaluated episode (evaluate.py --record) to RUN/replay and RUN/replay_random: episode0.html and NLE's
@@ -77,22 +78,26 @@ CONFIGS = {
 }
 
 
-def _per_episode(key, scale=1):
+def per_episode(key, scale=1):  # Episodes whose file predates the key are left out (NaN if all are).
     return lambda episodes: scale * mean([e.get(key, np.nan) for e in episodes])
 
 
-def _per_step(key, scale):  # Over the episodes' steps summed: per step, a longer life is no edge in itself.
-    return lambda episodes: scale * sum(e.get(key, 0) for e in episodes) / sum(e["steps"] for e in episodes)
+def per_step(key, scale):  # Over the episodes' steps summed: per step, a longer life is no edge in itself.
+    def value(episodes):
+        if any(key not in e for e in episodes):  # Not 0: a file that predates the key recorded nothing.
+            return float("nan")
+        return scale * sum(e[key] for e in episodes) / sum(e["steps"] for e in episodes)
+    return value
 
 
 # The figure's panels: in each bin, a seed's value over the episodes that ended there; per step beside per
-# episode, as the tables read them.
-PANELS = {"score": _per_episode("score"), "score / 1,000 steps": _per_step("score", 1e3),
-          "episode steps": _per_episode("steps"), "depth": _per_episode("depth"),
-          "success (% of episodes)": _per_episode("success", 100),
-          "successes / 1M steps": _per_step("success", 1e6),
-          "kills": _per_episode("kills"), "explored": _per_episode("explored"),
-          "intrinsic return": _per_episode("intrinsic_return")}
+# episode, as the tables read them. The success panels only where some episode succeeded.
+PANELS = {"score": per_episode("score"), "score / 1,000 steps": per_step("score", 1e3),
+          "success (% of episodes)": per_episode("success", 100),
+          "successes / 1M steps": per_step("success", 1e6),
+          "episode steps": per_episode("steps"), "depth": per_episode("depth"), "kills": per_episode("kills"),
+          "explored": per_episode("explored"), "intrinsic return": per_episode("intrinsic_return")}
+SUCCESS_PANELS = ("success (% of episodes)", "successes / 1M steps")
 TITLES = {"xlvl": "experience level", "intrinsic_rewarded_fraction": "share of an episode's steps paid",
           "steps": "episode steps"}
 BINS, WINDOW = 25, 100
@@ -351,22 +356,18 @@ def table(runs, made, unsuccessful=frozenset(), span="whole run"):
     episodes of the `span` given (the whole run) ended, in percent (from the recorded end; "not recorded" for
     runs from before it), with their successes per million steps ("—" for the configs in `unsuccessful`,
     whose task has no success)."""
-    score, steps = (lambda s: [e["score"] for e in s]), (lambda s: sum(e["steps"] for e in s))
-    columns = {"score": lambda s: mean(score(s)), "median score": lambda s: np.median(score(s)),
-               "score / 1,000 steps": lambda s: 1000 * sum(score(s)) / steps(s),
-               "kills / 1,000 steps": lambda s: 1000 * sum(e["kills"] for e in s) / steps(s),
-               "steps": lambda s: mean([e["steps"] for e in s]),
-               "success %": lambda s: 100 * mean([e.get("success", float("nan")) for e in s])}
-    reached = {"depth": lambda s: mean([e["depth"] for e in s]),
+    score = lambda s: [e["score"] for e in s]
+    columns = {"score": per_episode("score"), "median score": lambda s: np.median(score(s)),
+               "score / 1,000 steps": per_step("score", 1e3), "kills / 1,000 steps": per_step("kills", 1e3),
+               "steps": per_episode("steps"), "success %": per_episode("success", 100)}
+    reached = {"depth": per_episode("depth"),
                "Dlvl ≥ 2 %": lambda s: share(s, "depth", 2),
                "Dlvl ≥ 3 %": lambda s: share(s, "depth", 3),
-               "experience level": lambda s: mean([e["xlvl"] for e in s]),
+               "experience level": per_episode("xlvl"),
                "XL ≥ 2 %": lambda s: share(s, "xlvl", 2),
                "XL ≥ 3 %": lambda s: share(s, "xlvl", 3),
-               "kills": lambda s: mean([e["kills"] for e in s]),
-               "explored": lambda s: mean([e["explored"] for e in s]),
-               "intrinsic_return": lambda s: mean([e["intrinsic_return"] for e in s]),
-               "intrinsic_rewarded_fraction": lambda s: mean([e["intrinsic_rewarded_fraction"] for e in s])}
+               **{key: per_episode(key) for key in ("kills", "explored", "intrinsic_return",
+                                                    "intrinsic_rewarded_fraction")}}
     title = lambda c: f"{TITLES.get(c, c)} (last {WINDOW})"
     first = ["| config | seeds | env steps | " + " | ".join(map(title, columns))
              + f" | score (first {WINDOW}) | score (best {WINDOW}) | commit |",
@@ -389,10 +390,9 @@ def table(runs, made, unsuccessful=frozenset(), span="whole run"):
         cells = (["not recorded"] * len(ENDS) if any(None in kinds for kinds in ends) else
                  [across_seeds([100 * kinds.count(end) / len(kinds) for kinds in ends]) for end in ENDS])
         # Per step, not per episode: an agent that lives longer has fewer episodes to succeed in.
-        per_step = "—" if none else across_seeds(
-            [1e6 * sum(e.get("success", 0) for e in s) / max(steps(s), 1) for s in seeds])
+        successes = "—" if none else across_seeds([per_step("success", 1e6)(s) for s in seeds])
         third.append(f"| {name} | {across_seeds([len(s) for s in seeds])} | " + " | ".join(cells)
-                     + f" | {per_step} |")
+                     + f" | {successes} |")
     return "\n\n".join("\n".join(t) for t in (first, second, third)) + "\n"
 
 
@@ -440,22 +440,31 @@ def binned(seeds, value):
     return (edges[:-1] + edges[1:]) / 2, values
 
 
-def plot(runs, path):
+def panels(runs, unsuccessful=frozenset()):
+    """{title: {config: its seeds}} of the figure: the success panels only where some episode succeeded,
+    without the configs in `unsuccessful` (whose task has no success: no line of zeros read as measured)."""
+    succeeded = any(e.get("success") for seeds in runs.values() for episodes in seeds for e in episodes)
+    return {title: {name: seeds for name, seeds in runs.items()
+                    if title not in SUCCESS_PANELS or name not in unsuccessful}
+            for title in PANELS if succeeded or title not in SUCCESS_PANELS}
+
+
+def plot(runs, path, unsuccessful=frozenset()):
     """One PNG: a panel per metric, per config the mean over seeds and their min-max shaded."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    succeeded = any(e.get("success") for seeds in runs.values() for episodes in seeds for e in episodes)
-    panels = {title: value for title, value in PANELS.items()  # No panels of zeros on the Score task.
-              if succeeded or not title.startswith("success")}
-    columns = (len(panels) + 2) // 2  # Two rows, the legend in the last cell.
+    shown = panels(runs, unsuccessful)
+    columns = (len(shown) + 2) // 2  # Two rows, the legend in the last cell.
     fig, axes = plt.subplots(2, columns, figsize=(4.75 * columns, 8.5))
-    for ax in axes.flat[len(panels):]:
+    for ax in axes.flat[len(shown):]:
         ax.axis("off")
-    for ax, (title, value) in zip(axes.flat, panels.items()):
+    for ax, (title, configs) in zip(axes.flat, shown.items()):
         for k, (name, seeds) in enumerate(runs.items()):
-            x, values = binned(seeds, value)
+            if name not in configs:
+                continue
+            x, values = binned(seeds, PANELS[title])
             color, label = f"C{k}", f"{name} ({len(seeds)} seed{'s' * (len(seeds) > 1)})"
             with warnings.catch_warnings():  # bins no seed reached are NaN: gaps in the line
                 warnings.simplefilter("ignore", RuntimeWarning)
@@ -476,29 +485,29 @@ def plot(runs, path):
 
 def report(dirs, out, figure, until=None, eval_from=None, since=None):
     """Writes the figure and OUT/curves.md, prints the table. With `until` or `since` (steps), only the tables
-    of the episodes that ended by `until` and after `since`, in OUT/curves_since_<M>M_until_<M>.md (M: the
+    of the episodes that ended by `until` and after `since`, in OUT/curves_since_<M>M_until_<M>M.md (M: the
     steps in millions; the parts given); no figure, and with `until` no evaluation but those of each run's
     `eval_from` folder (eval.json is of its last policy)."""
     os.makedirs(out, exist_ok=True)
-    runs, markdown, window = load_runs(dirs), os.path.join(out, "curves.md"), None
+    runs, markdown, span = load_runs(dirs), os.path.join(out, "curves.md"), None
     if until is not None or since is not None:
-        lo, hi = -1 if since is None else since, float("inf") if until is None else until
-        runs = {name: [[e for e in s if lo < e["env_steps"] <= hi] for s in seeds]
+        runs = {name: [[e for e in s if (since is None or e["env_steps"] > since)
+                        and (until is None or e["env_steps"] <= until)] for s in seeds]
                 for name, seeds in runs.items()}
         # In millions, exact: 1.5e6 -> 1.5, 50 -> 0.00005.
         millions = lambda n: np.format_float_positional(n / 1e6, trim="-")
         given = [(word, n) for word, n in (("since", since), ("until", until)) if n is not None]
         parts = [f"{word}_{millions(n)}M" for word, n in given]
-        window = ", ".join(f"{'after' if word == 'since' else 'by'} {n:,} steps" for word, n in given)
+        span = ", ".join(f"{'after' if word == 'since' else 'by'} {n:,} steps" for word, n in given)
         if not all(s for seeds in runs.values() for s in seeds):
-            raise SystemExit(f"error: a run of {', '.join(runs)} has no episode {window}")
+            raise SystemExit(f"error: a run of {', '.join(runs)} has no episode {span}")
         markdown = os.path.join(out, f"curves_{'_'.join(parts)}.md")
     figure = figure or os.path.join(out, "curves.png")
     seeds_of = run_dirs(dirs)
     made = {name: [commits(d) for d in seeds] for name, seeds in seeds_of.items()}
     unsuccessful = {name for name, seeds in seeds_of.items() if all(map(without_success, seeds))}
-    if window is None:
-        plot(runs, figure)
+    if span is None:
+        plot(runs, figure, unsuccessful)
     if eval_from and (missing := [d for seeds in seeds_of.values() for d in seeds
                                   if not os.path.exists(os.path.join(d, eval_from, "eval.json"))]):
         raise SystemExit(f"error: no {eval_from}/eval.json in {', '.join(missing)}")
@@ -506,16 +515,16 @@ def report(dirs, out, figure, until=None, eval_from=None, since=None):
     against, evaluated = comparisons(runs), comparisons(evaluations, window=None)
     games = "/".join(map(str, sorted({len(g) for seeds in evaluations.values() for g in seeds})))
     evaluated_from = (f"; the evaluated games: each run's {eval_from}/eval.json, taken to be of the policy "
-                      "at that step (an eval.json records no step)") if eval_from else ""
-    text = "" if window is None else (f"The runs' episodes that ended {window} (the commits: those of the "
-                                      f"whole run){evaluated_from}.\n\n")
-    text += table(runs, made, unsuccessful, window or "whole run")
+                      f"at {until:,} steps (an eval.json records no step)") if eval_from else ""
+    text = "" if span is None else (f"The runs' episodes that ended {span} (the commits: those of the "
+                                    f"whole run){evaluated_from}.\n\n")
+    text += table(runs, made, unsuccessful, span or "whole run")
     text += f"\nThe last {WINDOW} episodes of training against the baselines:\n\n{against}" if against else ""
     if evaluated:
         text += f"\nThe evaluated games ({games} a seed) against the baselines:\n\n{evaluated}"
     with open(markdown, "w") as f:
         f.write(text)
-    print(text + (f"figure: {figure}; " if window is None else "") + f"table: {markdown}")
+    print(text + (f"figure: {figure}; " if span is None else "") + f"table: {markdown}")
 
 
 def random_games(run_dir):
@@ -590,9 +599,12 @@ def evaluate(dirs, episodes, record=False):
 
 def steps_count(text):  # A count of env steps as the flags take it: 2e9, 1000000.
     try:
-        return int(float(text))
+        steps = int(float(text))
     except (ValueError, OverflowError):
         raise argparse.ArgumentTypeError(f"not a number of steps: {text!r}") from None
+    if steps < 0:
+        raise argparse.ArgumentTypeError(f"not a number of steps: {text!r} is below 0")
+    return steps
 
 
 def run_folder(text):  # A folder's name inside each run dir, as learning_curves names them: earlier_1.
@@ -616,10 +628,12 @@ def main(argv=None):
     parser.add_argument("--plot", nargs="+", metavar="DIR", help="only plot these config or run dirs")
     parser.add_argument("--until", type=steps_count, default=None, metavar="STEPS",
                         help="with --plot: only the tables of the episodes that ended by STEPS (accepts 1e6) "
-                        "into OUT/curves_until_<STEPS in millions>M.md, e.g. a 2M-step run at 1M")
+                        "into OUT/curves_until_<STEPS in millions>M.md, e.g. a 2M-step run at 1M (with "
+                        "--since: curves_since_<..>M_until_<..>M.md)")
     parser.add_argument("--since", type=steps_count, default=None, metavar="STEPS",
                         help="with --plot: only the tables of the episodes that ended after STEPS, e.g. a "
-                        "resumed run's second million, with the final evaluations (with --until: between)")
+                        "resumed run's second million, with the final evaluations, into OUT/curves_since_"
+                        "<STEPS in millions>M.md (with --until: those ended between, no evaluations)")
     parser.add_argument("--eval-from", type=run_folder, default=None, metavar="FOLDER",
                         help="with --until: the evaluations in each run's FOLDER/eval.json, e.g. earlier_1 "
                         "(the evaluation of the policy a resume continued; its step is not checked)")
@@ -638,6 +652,8 @@ def main(argv=None):
             parser.error(f"{flag} goes with --plot, and makes no figure")
     if args.eval_from and args.until is None:
         parser.error("--eval-from goes with --until")
+    if args.since is not None and args.until is not None and args.since >= args.until:
+        parser.error("--since goes below --until")
     if args.plot or args.eval:
         if args.plot:
             report(args.plot, args.out, args.figure, args.until, args.eval_from, args.since)

@@ -43,6 +43,10 @@ def synthetic(tmp_path):
     return [str(tmp_path / "cfg"), str(tmp_path / "run")]
 
 
+def no_training(*args):
+    raise AssertionError("a usage error let the call through to training")
+
+
 def rows(text, table=0):
     """{config: {column: cell}} from one of the markdown file's tables (the first by default)."""
     first = text.strip().split("\n\n")[table]
@@ -92,7 +96,8 @@ def test_table_and_figure(tmp_path, capsys):
 def test_the_figure_reads_success_and_score_per_step_beside_per_episode():
     """A bin's per-step value is its episodes' successes (score) over their steps summed: one success in a
     10-step and a 30-step episode is 25,000 a million steps, not the 50,000 of a mean of each episode's
-    ratio; per episode it is 50%. The Score task, with no success, gets no success panels."""
+    ratio; per episode it is 50%. An episode from before the key: no value, not 0. Without any success (the
+    Score task) no success panels; with some, none for a config whose task has no success."""
     seed = [{"steps": 10, "score": 4, "success": 1, "env_steps": 40 * k + 10} for k in range(lc.BINS)]
     seed += [{"steps": 30, "score": 0, "success": 0, "env_steps": 40 * k + 20} for k in range(lc.BINS)]
     seed.sort(key=lambda e: e["env_steps"])  # two episodes in each of the bins
@@ -101,9 +106,16 @@ def test_the_figure_reads_success_and_score_per_step_beside_per_episode():
     assert np.allclose(values["success (% of episodes)"], 50)
     assert np.allclose(values["score / 1,000 steps"], 100) and np.allclose(values["score"], 2)
     assert np.allclose(values["episode steps"], 20) and np.isnan(values["depth"]).all()
+    old = [{k: v for k, v in e.items() if k != "success"} for e in seed]  # a file from before `success`
+    assert np.isnan(lc.binned([old], lc.PANELS["successes / 1M steps"])[1]).all()
+    assert not set(lc.SUCCESS_PANELS) & set(lc.panels({"score_x": [old]}))
+    shown = lc.panels({"stairs_x": [seed], "score_x": [old]}, unsuccessful={"score_x"})
+    assert list(shown) == list(lc.PANELS)
+    assert all(list(shown[t]) == (["stairs_x"] if t in lc.SUCCESS_PANELS else ["stairs_x", "score_x"])
+               for t in shown)
 
 
-def test_until_reads_the_runs_as_they_stood_at_that_step_and_writes_no_figure(tmp_path, capsys):
+def test_until_reads_the_runs_as_they_stood_at_that_step_and_writes_no_figure(tmp_path, capsys, monkeypatch):
     """A 2M-step run's tables at 1M: the last 100 episodes ended by then (one ending at the step included),
     not the run's last 100, and no evaluation, which is of the policy at the run's end, unless --eval-from
     names the folder of the one made at that step (earlier_1: the evaluation before a resume)."""
@@ -149,6 +161,7 @@ def test_until_reads_the_runs_as_they_stood_at_that_step_and_writes_no_figure(tm
     assert (out / "curves_until_1.5M.md").exists()
     with pytest.raises(SystemExit, match="no episode by 500 steps"):
         lc.main(["--plot", *dirs, "--out", str(out), "--until", "500"])
+    monkeypatch.setattr(lc, "run_all", no_training)  # A usage check that lets a call through trains.
     for argv in (["--until", "1e6"], ["--plot", *dirs, "--until", "1e6", "--figure", "x.png"],
                  ["--plot", *dirs, "--until", "inf"], ["--plot", *dirs, "--eval-from", "earlier_1"],
                  ["--plot", *dirs, "--until", "1e6", "--eval-from", "/abs"],
@@ -158,7 +171,7 @@ def test_until_reads_the_runs_as_they_stood_at_that_step_and_writes_no_figure(tm
         assert "usage" in capsys.readouterr().err
 
 
-def test_since_reads_the_episodes_of_a_runs_later_leg_with_its_final_evaluations(tmp_path, capsys):
+def test_since_reads_a_runs_later_leg_with_its_final_evaluations(tmp_path, capsys, monkeypatch):
     """--since 1e6: a 2M-step run's second million, its episodes that ended after the step (one ending at it
     left out), with the evaluations of the final policy, which ends that leg; with --until too, between the
     two, and no evaluation."""
@@ -188,8 +201,10 @@ def test_since_reads_the_episodes_of_a_runs_later_leg_with_its_final_evaluations
     assert lc.main(["--plot", *pair, "--out", str(out), "--since", "1e5", "--until", "2e5"]) == 0
     assert "evaluated games" not in open(out / "curves_since_0.1M_until_0.2M.md").read()
     capsys.readouterr()
+    monkeypatch.setattr(lc, "run_all", no_training)
     for argv in (["--since", "1e6"], ["--plot", cfg, "--since", "1e6", "--figure", "x.png"],
-                 ["--plot", cfg, "--since", "1e6", "--eval-from", "earlier_1"]):
+                 ["--plot", cfg, "--since", "1e6", "--eval-from", "earlier_1"],
+                 ["--plot", cfg, "--since", "2e5", "--until", "2e5"], ["--plot", cfg, "--since", "-5"]):
         with pytest.raises(SystemExit):  # argparse's usage error, not a traceback
             lc.main(argv)
         assert "usage" in capsys.readouterr().err
